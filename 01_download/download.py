@@ -1,0 +1,195 @@
+"""Step 1: get the model and the chess games onto the cluster's shared disk.
+
+Compute nodes usually have no internet, so this runs once on a login node:
+
+    python 01_download/download.py --out $SCRATCH/chess            # CodeLlama-7b + 100k games
+    python 01_download/download.py --demo --out demo               # tiny built-in default, no network
+
+The real path puts the model in the Hugging Face cache (HF_HOME, or --cache_dir) and the
+games in OUT/data/{train,validation}.jsonl, one {"text": "e2e4 e7e5 ..."} per game. Running it
+again downloads nothing. The demo builds a tiny Llama with a one-token-per-move tokenizer and
+uses the chess sample shipped with the repo (made by make_chess_sample.py).
+"""
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared `common` package
+
+import pyarrow.parquet as pq  # noqa: E402
+
+from common.errors import UserError, exit_on_user_error  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+SHIPPED_SAMPLE = HERE / "chess_sample.parquet"
+MODEL_FILES = ["*.json", "*.safetensors", "tokenizer.model"]  # config, weights, tokenizer: nothing else
+SPECIAL_TOKENS = ["<pad>", "<unk>", "<s>", "</s>"]
+
+
+# ---- games: laion/strategic_game_chess parquet -> jsonl -------------------------------------------
+
+def games_from_parquet(path):
+    """The `Moves` column (a list of UCI strings per game) as space-separated text."""
+    try:
+        table = pq.read_table(path, columns=["Moves"])
+    except Exception as err:  # pyarrow raises several types for damaged or foreign files
+        raise UserError(f"{path}: not a chess parquet file with a Moves column ({err})") from None
+    return [" ".join(moves) for moves in table.column("Moves").to_pylist() if moves]
+
+
+def write_jsonl(games, path):
+    """Written to a temporary name first, so an interrupted run never leaves half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    with partial.open("w", encoding="utf-8") as out:
+        for game in games:
+            out.write(json.dumps({"text": game}) + "\n")
+    os.replace(partial, path)
+
+
+def write_splits(games, data_dir, validation_games):
+    """The last `validation_games` games are held out; the rest are for training."""
+    if len(games) <= validation_games:
+        raise UserError(f"only {len(games)} games, but {validation_games} are to be held out for validation")
+    write_jsonl(games[:-validation_games], data_dir / "train.jsonl")
+    write_jsonl(games[-validation_games:], data_dir / "validation.jsonl")
+    manifest = {"train_games": len(games) - validation_games, "validation_games": validation_games}
+    return manifest
+
+
+# ---- the real download (login node, internet) ---------------------------------------------------
+
+def download_model(repo_id, cache_dir):
+    """The model snapshot in the Hugging Face cache. A complete cached copy is used as is."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=MODEL_FILES, cache_dir=cache_dir,
+                                      local_files_only=True))
+    except LocalEntryNotFoundError:
+        print(f"downloading {repo_id} (config, safetensors weights, tokenizer) ...", flush=True)
+        return Path(snapshot_download(repo_id, allow_patterns=MODEL_FILES, cache_dir=cache_dir))
+
+
+def download_games(repo_id, games_wanted, cache_dir):
+    """Parquet files of the dataset, in name order, until there are enough games."""
+    from huggingface_hub import HfApi, hf_hub_download
+    files = sorted(name for name in HfApi().list_repo_files(repo_id, repo_type="dataset")
+                   if name.endswith(".parquet"))
+    if not files:
+        raise UserError(f"{repo_id} has no parquet files")
+    games = []
+    for name in files:
+        local = hf_hub_download(repo_id, name, repo_type="dataset", cache_dir=cache_dir)
+        games.extend(games_from_parquet(local))
+        if len(games) >= games_wanted:
+            return games[:games_wanted]
+    print(f"note: {repo_id} holds only {len(games)} games", flush=True)
+    return games
+
+
+def download(args):
+    out = Path(args.out)
+    data_dir = out / "data"
+    wanted = {"dataset": args.dataset, "games": args.games, "validation_games": args.validation_games}
+    model_dir = download_model(args.model, args.cache_dir)
+    manifest_path = data_dir / "download.json"
+    if manifest_path.is_file() and json.loads(manifest_path.read_text()).get("request") == wanted:
+        print(f"games already in {data_dir}", flush=True)
+    else:
+        print(f"downloading {args.games} games of {args.dataset} ...", flush=True)
+        games = download_games(args.dataset, args.games, args.cache_dir)
+        counts = write_splits(games, data_dir, args.validation_games)
+        manifest_path.write_text(json.dumps({"request": wanted, **counts}, indent=1))
+    cache = args.cache_dir or os.environ.get("HF_HOME", "~/.cache/huggingface")
+    print(f"\nmodel: {model_dir}\ndata:  {data_dir}\n"
+          "On compute nodes (no internet) set, before Python starts:\n"
+          f"  export HF_HOME={cache}   # the same cache this step filled\n"
+          "  export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1\n"
+          f"and train with --model {args.model} --data_dir {data_dir}", flush=True)
+
+
+# ---- the built-in tiny default (no network) -----------------------------------------------------
+
+def all_uci_moves():
+    """Every move a piece could ever make, as UCI text: queen lines and knight jumps from every
+    square, plus promotions. About 2,000 words: one token per move."""
+    files, ranks = "abcdefgh", "12345678"
+    moves = set()
+    for f0 in range(8):
+        for r0 in range(8):
+            for f1 in range(8):
+                for r1 in range(8):
+                    df, dr = abs(f1 - f0), abs(r1 - r0)
+                    if (df, dr) != (0, 0) and (df == 0 or dr == 0 or df == dr or {df, dr} == {1, 2}):
+                        moves.add(files[f0] + ranks[r0] + files[f1] + ranks[r1])
+    for f0 in range(8):
+        for f1 in (f0 - 1, f0, f0 + 1):
+            if 0 <= f1 < 8:
+                for r0, r1 in (("7", "8"), ("2", "1")):
+                    for piece in "qrbn":
+                        moves.add(files[f0] + r0 + files[f1] + r1 + piece)
+    return sorted(moves)
+
+
+def build_move_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + all_uci_moves())}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", unk_token="<unk>",
+                                   bos_token="<s>", eos_token="</s>")
+
+
+def build_tiny_llama(tokenizer, seed):
+    """The CodeLlama architecture (LlamaForCausalLM), shrunk to ~4M parameters."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=688,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                         max_position_embeddings=1024, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+def build_demo(args):
+    out = Path(args.out)
+    tokenizer = build_move_tokenizer()
+    model = build_tiny_llama(tokenizer, args.seed)
+    model.save_pretrained(out / "model", safe_serialization=True)
+    tokenizer.save_pretrained(out / "model")
+    games = games_from_parquet(SHIPPED_SAMPLE)
+    counts = write_splits(games, out / "data", args.validation_games)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"demo model ({params / 1e6:.1f}M parameters, {len(tokenizer)} tokens): {out / 'model'}\n"
+          f"demo data ({counts['train_games']} train / {counts['validation_games']} validation games): "
+          f"{out / 'data'}", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--out", required=True, help="data goes to OUT/data (and the demo model to OUT/model)")
+    parser.add_argument("--demo", action="store_true", help="build the tiny built-in default; no network")
+    parser.add_argument("--model", default="codellama/CodeLlama-7b-hf", help="Hugging Face model id")
+    parser.add_argument("--dataset", default="laion/strategic_game_chess", help="Hugging Face dataset id")
+    parser.add_argument("--games", type=int, default=100_000, help="games to download")
+    parser.add_argument("--validation_games", "--validation-games", type=int, default=200,
+                        help="games held out for validation")
+    parser.add_argument("--cache_dir", "--cache-dir", default=None,
+                        help="Hugging Face cache (default: $HF_HOME/hub)")
+    parser.add_argument("--seed", type=int, default=0, help="initialisation of the demo model")
+    args = parser.parse_args()
+    if args.games < 1 or args.validation_games < 1:
+        raise UserError("--games and --validation_games must be at least 1")
+    build_demo(args) if args.demo else download(args)
+
+
+if __name__ == "__main__":
+    exit_on_user_error(main)

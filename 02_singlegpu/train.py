@@ -1,0 +1,119 @@
+"""Step 2: fine-tune a Llama model on chess games with one GPU (or the CPU).
+
+    python 02_singlegpu/train.py --output_dir runs/single            # the built-in tiny demo
+    python 02_singlegpu/train.py --model codellama/CodeLlama-7b-hf --data_dir $SCRATCH/chess/data \
+        --output_dir runs/single-7b --batch_size_per_device 2 --gradient_accumulation_steps 16
+
+One global batch = batch_size_per_device × gradient_accumulation_steps rows. The loss is the
+mean over that whole batch's tokens, so the next steps (DDP, FSDP) can split the same batch
+over several GPUs and still take exactly the same optimiser step.
+"""
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared `common` package
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from common.chess_eval import game_prefixes, legal_move_sums, validation_loss_sums  # noqa: E402
+from common.data import GlobalBatchSampler, count_loss_tokens, load_rows, loss_sum, make_loader  # noqa: E402
+from common.errors import exit_on_user_error  # noqa: E402
+from common.metrics import MetricsLog, StepTimer, peak_memory, print_summary, write_summary  # noqa: E402
+from common.train_setup import (check_arguments, enable_gradient_checkpointing, load_model,  # noqa: E402
+                                load_tokenizer, make_optimizer, make_scheduler, pick_device,
+                                seed_everything, training_arguments)
+
+
+def main():
+    args = training_arguments(__doc__.split("\n\n")[0]).parse_args()
+    check_arguments(args)
+    seed_everything(args.seed)
+    device = pick_device(args.device)
+    output_dir = Path(args.output_dir)
+
+    # Model: fp32 weights; on GPU the forward pass runs in bf16 under autocast
+    # (bf16 has fp32's range, so no GradScaler is needed).
+    tokenizer = load_tokenizer(args.model)
+    model = load_model(args.model).to(device)
+    if args.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+
+    # Data: tokenized once and cached; every optimiser step gets one global batch.
+    cache_dir = Path(args.data_dir) / "tokenized"
+    train_rows, _ = load_rows(Path(args.data_dir) / "train.jsonl", tokenizer, args.max_seq_length,
+                              not args.no_packing, cache_dir)
+    eval_rows, eval_games = load_rows(Path(args.data_dir) / "validation.jsonl", tokenizer,
+                                      args.max_seq_length, not args.no_packing, cache_dir)
+    eval_rows, prefixes = eval_rows[: args.eval_rows], game_prefixes(eval_games, args.eval_games, args.seed)
+    sampler = GlobalBatchSampler(len(train_rows), args.batch_size_per_device, args.gradient_accumulation_steps,
+                                 rank=0, world_size=1, seed=args.seed, start_step=0, max_steps=args.max_steps)
+    batches = iter(make_loader(train_rows, sampler, tokenizer.pad_token_id, device))
+
+    optimizer = make_optimizer(model, args)
+    scheduler = make_scheduler(optimizer, args)
+
+    def evaluate():
+        """Validation loss and legal-move rate."""
+        model.eval()
+        with autocast:
+            sums = torch.stack([
+                *validation_loss_sums(model, eval_rows, args.batch_size_per_device, tokenizer.pad_token_id, device),
+                *legal_move_sums(model, tokenizer, prefixes, args.batch_size_per_device, args.max_seq_length, device)])
+        model.train()
+        loss, tokens, legal, tried = sums.tolist()
+        return {"eval_loss": loss / tokens, "legal_move_rate": legal / tried}
+
+    untrained = evaluate()
+    tqdm.write(f"untrained model: {untrained}")
+    metrics = MetricsLog(output_dir, enabled=True)
+    progress = tqdm(range(args.max_steps), desc="train", mininterval=1.0)
+    for step in progress:
+        timer = StepTimer(device)
+        waiting = time.perf_counter()
+        micro_batches = [{k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+                         for _ in range(args.gradient_accumulation_steps)]
+        timer.data_ready(waiting)
+        # Every token of the global batch weighs the same: divide each micro-batch's summed
+        # loss by the token count of the whole global batch, not by its own.
+        step_tokens = sum(count_loss_tokens(batch) for batch in micro_batches)
+
+        step_loss = torch.zeros((), device=device)
+        for batch in micro_batches:
+            with autocast:
+                loss = loss_sum(model, batch)
+            (loss / step_tokens).backward()
+            step_loss += loss.detach()
+
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        elapsed, data_wait = timer.finish()
+        record = {"step": step + 1, "loss": (step_loss / step_tokens).item(), "lr": scheduler.get_last_lr()[0],
+                  "grad_norm": grad_norm.item(), "tokens": int(step_tokens), "tokens_per_s": step_tokens.item() / elapsed,
+                  "step_time_s": elapsed,
+                  "data_wait_s": data_wait, "world_size": 1,
+                  "gradient_accumulation_steps": args.gradient_accumulation_steps,
+                  "batch_size_per_device": args.batch_size_per_device, **peak_memory(device)}
+        if (args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.max_steps:
+            record.update(evaluate())
+            tqdm.write(f"step {step + 1}: eval_loss={record['eval_loss']:.4f} "
+                       f"legal_move_rate={record['legal_move_rate']:.3f}")
+        metrics.write(record)
+        progress.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
+    metrics.close()
+
+    # The final model in Hugging Face format, loadable with AutoModelForCausalLM.from_pretrained.
+    model.save_pretrained(output_dir / "final", safe_serialization=True)
+    tokenizer.save_pretrained(output_dir / "final")
+    summary = write_summary(output_dir, "02_singlegpu", metrics.records, untrained, [peak_memory(device)])
+    print_summary("02_singlegpu", summary)
+
+
+if __name__ == "__main__":
+    exit_on_user_error(main)

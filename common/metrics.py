@@ -1,0 +1,79 @@
+"""metrics.jsonl (one JSON object per optimiser step), memory figures and the final table."""
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+class MetricsLog:
+    """Appends one JSON line per optimiser step; only the rank that logs opens the file."""
+
+    def __init__(self, output_dir, enabled):
+        self.file = (Path(output_dir) / "metrics.jsonl").open("a", encoding="utf-8") if enabled else None
+        self.records = []
+
+    def write(self, record):
+        if self.file is not None:
+            self.records.append(record)
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()  # a killed job still leaves every finished step on disk
+
+    def close(self):
+        if self.file is not None:
+            self.file.close()
+
+
+def peak_memory(device):
+    """Peak memory of this process in MiB: CPU resident set, and on GPU what PyTorch allocated
+    and reserved (reserved is what nvidia-smi would show as used by us)."""
+    mib = 1024 * 1024
+    figures = {"peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+    if device.type == "cuda":
+        figures["peak_gpu_allocated_mib"] = round(torch.cuda.max_memory_allocated(device) / mib, 1)
+        figures["peak_gpu_reserved_mib"] = round(torch.cuda.max_memory_reserved(device) / mib, 1)
+    return figures
+
+
+class StepTimer:
+    """Wall time of a step, split into waiting for data and the rest (compute + communication)."""
+
+    def __init__(self, device):
+        self.device = device
+        self.start = time.perf_counter()
+        self.data_wait = 0.0
+
+    def data_ready(self, since):
+        self.data_wait += time.perf_counter() - since
+
+    def finish(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # once per optimiser step, so the time is honest
+        elapsed = time.perf_counter() - self.start
+        return elapsed, self.data_wait
+
+
+def print_summary(title, figures, file=sys.stdout):
+    print(f"{title}: " + "  ".join(f"{k}={v}" for k, v in figures.items()), file=file, flush=True)
+
+
+def write_summary(output_dir, name, records, untrained, peaks_per_rank):
+    """summary.json: the figures the demo's side-by-side table shows. Throughput leaves out the
+    first step (start-up costs: allocator warm-up, first collectives)."""
+    timed = records[1:] or records
+    last = records[-1]
+    summary = {
+        "run": name,
+        "world_size": last["world_size"],
+        "steps": last["step"],
+        "final_loss": round(last["loss"], 4),
+        "eval_loss": round(last["eval_loss"], 4),
+        "tokens_per_s": round(sum(r["tokens"] for r in timed) / sum(r["step_time_s"] for r in timed), 1),
+        "peak_rss_mib_per_rank": max(p["peak_rss_mib"] for p in peaks_per_rank),
+        "legal_move_rate_untrained": round(untrained["legal_move_rate"], 3),
+        "legal_move_rate": round(last["legal_move_rate"], 3),
+    }
+    (Path(output_dir) / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return summary
