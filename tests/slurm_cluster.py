@@ -1,0 +1,139 @@
+"""The local Slurm cluster (tests/slurm/local_cluster.sh) as the tests use it: brought up once
+per session on free ports, jobs submitted and waited for with a timeout, and on a failure the
+daemon logs and job outputs copied to a folder that the failing test names."""
+import contextlib
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CLUSTER_SCRIPT = REPO / "tests/slurm/local_cluster.sh"
+CANNOT_RUN_HERE = 3  # local_cluster.sh's exit status for "not root / packages cannot be installed"
+FINISHED_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+                   "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
+NODES, GPUS_PER_NODE = 2, 2
+KEPT_LOGS_ROOT = Path(os.environ.get("KIT_SLURM_TEST_LOGS", REPO / "logs/slurm-tests"))
+
+
+class ClusterUnavailable(Exception):
+    """Slurm cannot run on this machine (the reason is one line)."""
+
+
+def free_ports(count):
+    """The first of `count` consecutive free ports: slurmctld's, then one per slurmd. Taken from
+    30000-32767, below the kernel's ephemeral range and above the jobs' rendezvous ports
+    (20000 + job id)."""
+    rng = random.Random()
+    while True:
+        first = rng.randrange(30000, 32768 - count)
+        if all(port_is_free(port) for port in range(first, first + count)):
+            return first
+
+
+def port_is_free(port):
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+class LocalSlurmCluster:
+    def __init__(self, directory):
+        self.dir = Path(directory)
+        self.jobs_dir = self.dir / "jobs"  # job outputs, submitit logs and training outputs
+        self.jobs_dir.mkdir(parents=True, exist_ok=True)
+        ctld_port = free_ports(1 + NODES)
+        self.settings = {"CLUSTER_DIR": str(self.dir), "NODES": str(NODES), "GPUS_PER_NODE": str(GPUS_PER_NODE),
+                         "SLURMCTLD_PORT": str(ctld_port), "SLURMD_PORT": str(ctld_port + 1)}
+        # What a user's shell has after `. env.sh` with the kit's virtual environment active:
+        # sbatch passes this environment on to the jobs.
+        venv_bin = str(Path(sys.executable).parent)
+        self.env = {**os.environ, "SLURM_CONF": str(self.dir / "slurm.conf"),
+                    "PATH": os.pathsep.join([str(self.dir / "bin"), venv_bin, os.environ.get("PATH", "")])}
+        self.kept_logs = None
+
+    def up(self):
+        result = subprocess.run([str(CLUSTER_SCRIPT), "up"], env={**os.environ, **self.settings},
+                                capture_output=True, text=True, timeout=600)
+        if result.returncode == CANNOT_RUN_HERE:
+            raise ClusterUnavailable(result.stderr.strip().splitlines()[-1])
+        if result.returncode != 0:
+            self.down()
+            kept = self.keep_logs()
+            raise RuntimeError(f"local Slurm cluster did not come up (logs: {kept}):\n{result.stdout}\n{result.stderr}")
+
+    def down(self):
+        subprocess.run([str(CLUSTER_SCRIPT), "down"], env={**os.environ, **self.settings},
+                       capture_output=True, text=True, timeout=120)
+
+    def run(self, command, extra_env=None, timeout=60):
+        """A command in the submitting shell: repository root as cwd, the cluster's environment."""
+        return subprocess.run(command, cwd=REPO, env={**self.env, **(extra_env or {})},
+                              capture_output=True, text=True, timeout=timeout)
+
+    def sbatch(self, *arguments, extra_env=None):
+        """Submit like a user (`sbatch OPTIONS SCRIPT ARGS`) with output into jobs_dir; the job id."""
+        result = self.run(["sbatch", "--parsable", f"--output={self.jobs_dir}/%x-%j.out", *arguments], extra_env)
+        assert result.returncode == 0, f"sbatch failed: {result.stderr}"
+        return result.stdout.strip().split(";")[0]
+
+    def state(self, job_id):
+        result = self.run(["squeue", "--noheader", "--states=all", f"--jobs={job_id}", "--format=%T"])
+        return result.stdout.strip()
+
+    def wait(self, job_id, timeout):
+        """The job's final state; cancels it and fails the test when it takes longer than timeout."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            state = self.state(job_id)
+            if state in FINISHED_STATES:
+                return state
+            time.sleep(1)
+        self.run(["scancel", job_id])
+        raise TimeoutError(f"job {job_id} did not finish within {timeout} s (state {self.state(job_id)})")
+
+    def keep_logs(self):
+        """Copy the daemon logs, slurm.conf and everything the jobs wrote to a folder that stays."""
+        if self.kept_logs is None:
+            self.kept_logs = KEPT_LOGS_ROOT / time.strftime("%Y%m%d-%H%M%S")
+            self.kept_logs.mkdir(parents=True, exist_ok=True)
+        for name in ("log", "jobs"):
+            if (self.dir / name).is_dir():
+                shutil.copytree(self.dir / name, self.kept_logs / name, dirs_exist_ok=True)
+        for name in ("slurm.conf", "gres.conf"):
+            if (self.dir / name).is_file():
+                shutil.copy2(self.dir / name, self.kept_logs / name)
+        return self.kept_logs
+
+    @contextlib.contextmanager
+    def logs_kept_on_failure(self):
+        """Wrap a test's checks: if one fails, keep the logs and say where they are."""
+        try:
+            yield
+        except (Exception, pytest.fail.Exception) as failure:
+            kept = self.keep_logs()
+            print(f"Slurm daemon logs and job outputs kept in {kept}", file=sys.stderr)
+            failure.add_note(f"Slurm daemon logs and job outputs kept in {kept}")
+            raise
+
+
+def install_when_missing(command, package):
+    """apt-get install PACKAGE if COMMAND is missing (root, Debian); True if COMMAND is there now."""
+    if shutil.which(command):
+        return True
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        return False
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for step in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", "--no-install-recommends", package]):
+        if subprocess.run(step, env=env, capture_output=True, timeout=600).returncode != 0:
+            return False
+    return shutil.which(command) is not None

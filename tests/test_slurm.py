@@ -1,0 +1,119 @@
+"""The kit's Slurm path against a real Slurm: the sbatch templates and submit.py, run to
+completion on a 2-node cluster with 2 fake GPUs per node (tests/slurm/local_cluster.sh).
+
+The fake GPUs are not usable by CUDA, so the templates run one CPU process per allocated GPU
+with gloo: the very scripts a user submits, with the same torchrun and rendezvous.
+"""
+import math
+import re
+import sys
+
+import pytest
+
+from conftest import read_metrics
+from slurm_cluster import ClusterUnavailable, LocalSlurmCluster
+
+pytestmark = pytest.mark.slurm
+
+# Short and small: 6 steps of short rows, little evaluation; a learning rate at which the
+# tiny demo model's loss falls within those 6 steps.
+QUICK_TRAINING = ["--max_steps", "6", "--learning_rate", "3e-3", "--max_seq_length", "64",
+                  "--eval_every", "0", "--eval_rows", "8", "--eval_games", "8"]
+# The templates' headers ask for a real GPU node; sbatch options override them, as at a site.
+SMALL_NODE = ["--cpus-per-task=2", "--mem=2G", "--time=10"]
+JOB_TIMEOUT_S = 240
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    cluster = LocalSlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        cluster.up()
+    except ClusterUnavailable as reason:
+        pytest.skip(f"no Slurm on this machine: {reason}")
+    yield cluster
+    cluster.down()
+
+
+def job_output(cluster, name, job_id):
+    return (cluster.jobs_dir / f"{name}-{job_id}.out").read_text(errors="replace")
+
+
+def check_training_run(output_dir, world_size, accumulation, batch_size_per_device):
+    metrics = read_metrics(output_dir)
+    assert [m["step"] for m in metrics] == list(range(1, 7))
+    for m in metrics:
+        assert m["world_size"] == world_size
+        assert m["gradient_accumulation_steps"] == accumulation
+        assert m["batch_size_per_device"] == batch_size_per_device
+        assert math.isfinite(m["loss"])
+    assert metrics[-1]["loss"] < metrics[0]["loss"], [m["loss"] for m in metrics]
+    assert (output_dir / "final/config.json").is_file()
+
+
+@pytest.mark.parametrize("script, nodes, gpus_per_node, total_batch, per_device, accumulation", [
+    ("fsdp", 1, 2, 8, 2, 2),
+    ("fsdp", 2, 2, 8, 2, 1),
+    ("ddp", 2, 2, 16, 2, 2),
+    ("singlegpu", 1, 1, 8, 2, 4),
+])
+def test_sbatch_template_trains(slurm_cluster, demo, script, nodes, gpus_per_node, total_batch, per_device,
+                                accumulation):
+    output_dir = slurm_cluster.jobs_dir / f"{script}-{nodes}x{gpus_per_node}"
+    job_id = slurm_cluster.sbatch(
+        f"--nodes={nodes}", f"--gpus-per-node={gpus_per_node}", *SMALL_NODE, f"slurm/{script}.sh", *QUICK_TRAINING,
+        extra_env={"MODEL": str(demo / "model"), "DATA_DIR": str(demo / "data"), "OUTPUT_DIR": str(output_dir),
+                   "TOTAL_BATCH_SIZE": str(total_batch), "BATCH_SIZE_PER_DEVICE": str(per_device)})
+    with slurm_cluster.logs_kept_on_failure():
+        state = slurm_cluster.wait(job_id, JOB_TIMEOUT_S)
+        output = job_output(slurm_cluster, script, job_id)
+        assert state == "COMPLETED", output[-4000:]
+        assert "not usable by CUDA here: running one CPU process per allocated GPU" in output
+        assert f"{accumulation} accumulation steps; rendezvous node1:{20000 + int(job_id)} id {job_id}-0" in output
+        check_training_run(output_dir, nodes * gpus_per_node, accumulation, per_device)
+
+
+@pytest.mark.parametrize("environment, message", [
+    ({"TOTAL_BATCH_SIZE": "10", "BATCH_SIZE_PER_DEVICE": "2"},
+     "error: TOTAL_BATCH_SIZE=10 is not a multiple of BATCH_SIZE_PER_DEVICE=2 × 2 GPUs per node × 2 nodes = 8"),
+    ({"DATA_DIR": "/nonexistent/chess/data"},
+     "error: no train.jsonl in /nonexistent/chess/data: run `python 01_download/download.py --out /nonexistent/chess`"),
+    ({"MODEL": "codellama/CodeLlama-7b-hf", "HF_HOME": "/nonexistent/hf"},
+     "python 01_download/download.py --model codellama/CodeLlama-7b-hf --out DIR"),
+])
+def test_sbatch_template_refuses_before_training(slurm_cluster, demo, environment, message):
+    """Arithmetic that does not divide, and a download step that was not done, end the job at
+    once with one clear line; the allocation's numbers (2 nodes × 2 GPUs) are in the message."""
+    settings = {"MODEL": str(demo / "model"), "DATA_DIR": str(demo / "data"), **environment}
+    job_id = slurm_cluster.sbatch("--nodes=2", "--gpus-per-node=2", *SMALL_NODE, "slurm/fsdp.sh",
+                                  extra_env=settings)
+    with slurm_cluster.logs_kept_on_failure():
+        state = slurm_cluster.wait(job_id, 60)
+        output = job_output(slurm_cluster, "fsdp", job_id)
+        assert state == "FAILED", output
+        errors = [line for line in output.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and message in errors[0], output
+        assert "torchrun" not in output
+
+
+def test_submit_py_trains_on_two_nodes(slurm_cluster, demo):
+    log_dir, output_dir = slurm_cluster.jobs_dir / "submitit", slurm_cluster.jobs_dir / "submit-fsdp-%j"
+    result = slurm_cluster.run(
+        [sys.executable, "submit.py", "--gpus", "2", "--nodes", "2", "--step", "fsdp",
+         "--total_batch_size", "8", "--batch_size_per_device", "2", "--cpus_per_task", "2", "--mem_gb", "2",
+         "--time", "10", "--log_dir", str(log_dir), "--model", str(demo / "model"), "--data_dir", str(demo / "data"),
+         "--output_dir", str(output_dir), "--", *QUICK_TRAINING])
+    with slurm_cluster.logs_kept_on_failure():
+        assert result.returncode == 0, result.stderr
+        assert "total batch 8 = 2 per device × 4 devices × 1 gradient accumulation steps" in result.stdout
+        job_id = re.search(r"submitted job (\d+)", result.stdout).group(1)
+        for hint in (f"squeue -j {job_id}", f"sacct -j {job_id}", f"tail -f {log_dir}/{job_id}/{job_id}_0_log.out"):
+            assert hint in result.stdout
+        state = slurm_cluster.wait(job_id, JOB_TIMEOUT_S)
+        logs = [(log_dir / job_id / f"{job_id}_{node}_log.out").read_text(errors="replace") for node in (0, 1)]
+        assert state == "COMPLETED", logs[0][-4000:] + logs[1][-4000:]
+        for log in logs:
+            assert f"--nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=node1:{20000 + int(job_id)} " \
+                   f"--rdzv-id={job_id}-0" in log
+            assert "not usable by CUDA here" in log
+        check_training_run(slurm_cluster.jobs_dir / f"submit-fsdp-{job_id}", 4, 1, 2)

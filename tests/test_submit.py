@@ -1,0 +1,168 @@
+"""submit.py and the sbatch templates without Slurm: the gradient-accumulation arithmetic and
+its refusals (in Python and in the templates' bash library), the --dry-run plan, and shellcheck."""
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from slurm_cluster import install_when_missing
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import submit  # noqa: E402
+
+REPO = submit.REPO
+
+
+@pytest.fixture
+def no_slurm_env():
+    """Only the virtual environment on PATH: no sbatch, so nothing here can submit a job."""
+    return {**os.environ, "PATH": str(Path(sys.executable).parent)}
+
+
+def run_submit(args, env):
+    return subprocess.run([sys.executable, "submit.py", *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def run_lib(function_call):
+    """Call a function of slurm/launch_lib.sh in bash, as the templates do."""
+    return subprocess.run(["bash", "-c", f"source slurm/launch_lib.sh && {function_call}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=30)
+
+
+# (total batch, per device, GPUs per node, nodes) -> accumulation
+DIVIDES = [((64, 4, 1, 1), 16), ((64, 4, 4, 2), 2), ((64, 4, 8, 2), 1), ((8, 2, 2, 2), 1), ((48, 2, 3, 2), 4)]
+DOES_NOT_DIVIDE = [(64, 4, 8, 4), (10, 2, 2, 2), (64, 3, 2, 1), (4, 4, 2, 1)]
+
+
+@pytest.mark.parametrize("request_, accumulation", DIVIDES)
+def test_accumulation_python_and_bash_agree(request_, accumulation):
+    assert submit.gradient_accumulation_steps(*request_) == accumulation
+    result = run_lib("gradient_accumulation_steps " + " ".join(map(str, request_)))
+    assert (result.returncode, result.stdout.strip(), result.stderr) == (0, str(accumulation), "")
+
+
+@pytest.mark.parametrize("request_", DOES_NOT_DIVIDE)
+def test_accumulation_that_does_not_divide_is_refused(request_):
+    total, per_device, gpus, nodes = request_
+    with pytest.raises(submit.UserError, match=f"--total_batch_size {total} is not a multiple of"):
+        submit.gradient_accumulation_steps(*request_)
+    result = run_lib("gradient_accumulation_steps " + " ".join(map(str, request_)))
+    assert result.returncode == 2
+    assert result.stderr == (f"error: TOTAL_BATCH_SIZE={total} is not a multiple of BATCH_SIZE_PER_DEVICE="
+                             f"{per_device} × {gpus} GPUs per node × {nodes} nodes = {per_device * gpus * nodes}: "
+                             "change one of them\n")
+
+
+@pytest.mark.parametrize("arguments", ["0 4 2 1", "64 4 0 1", "64 -4 2 1", "64 4 2 x", "'' 4 2 1"])
+def test_bash_refuses_numbers_that_are_not_positive(arguments):
+    result = run_lib(f"gradient_accumulation_steps {arguments}")
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("argument, hint", [
+    ("--batch_size_per_device=8", "set BATCH_SIZE_PER_DEVICE=... in the environment"),
+    ("--batch-size-per-device", "set BATCH_SIZE_PER_DEVICE=... in the environment"),
+    ("--model", "set MODEL=..."),
+    ("--output_dir", "set OUTPUT_DIR=..."),
+    ("--gradient_accumulation_steps", "set TOTAL_BATCH_SIZE instead"),
+    ("--device", "picks --device from the allocation"),
+])
+def test_templates_refuse_arguments_they_set_themselves(argument, hint):
+    result = run_lib(f"refuse_managed_arguments --learning_rate 2e-5 {argument} 3")
+    assert result.returncode == 2 and hint in result.stderr and result.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("script", ["singlegpu", "ddp", "fsdp"])
+def test_template_outside_slurm_says_to_use_sbatch(script):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    result = subprocess.run(["bash", f"slurm/{script}.sh"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr == "error: submit this script with sbatch (it needs a Slurm allocation)\n"
+
+
+def test_dry_run_prints_the_plan_and_the_sbatch_script_without_slurm(no_slurm_env):
+    result = run_submit(["--dry-run", "--gpus", "4", "--nodes", "2", "--step", "fsdp", "--partition", "gpu",
+                         "--account", "chess", "--time", "1-00:30:00", "--", "--learning_rate", "2e-5"], no_slurm_env)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "total batch 64 = 4 per device × 8 devices × 2 gradient accumulation steps" in out
+    assert ("torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=FIRST_NODE:PORT "
+            "--rdzv-id=JOBID-RESTARTS 04_fsdp/train.py") in out
+    assert "--gradient_accumulation_steps 2 --learning_rate 2e-5" in out
+    for line in ["#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=4",
+                 "#SBATCH --cpus-per-task=32", "#SBATCH --partition=gpu", "#SBATCH --account=chess",
+                 "#SBATCH --time=1470", "#SBATCH --signal=USR2@90",
+                 f"export PYTHONPATH={shlex.quote(str(REPO))}" + '"${PYTHONPATH:+:$PYTHONPATH}"',
+                 "export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1"]:
+        assert line in out.splitlines(), line
+    assert "--kill-on-bad-exit=1 --cpus-per-task=32" in out
+    assert "nothing submitted" in out and "submitted job" not in out
+
+
+def test_dry_run_quotes_paths_for_the_shell(no_slurm_env, tmp_path):
+    data_dir = tmp_path / "chess data; rm -rf ~"
+    data_dir.mkdir()
+    for name in ("train.jsonl", "validation.jsonl"):
+        (data_dir / name).write_text('{"text": "e2e4 e7e5"}\n')
+    result = run_submit(["--dry-run", "--step", "ddp", "--gpus", "2", "--data_dir", str(data_dir)], no_slurm_env)
+    assert result.returncode == 0, result.stderr
+    plan = next(line for line in result.stdout.splitlines() if line.startswith("on each node: "))
+    command = shlex.split(plan.removeprefix("on each node: "))
+    assert command[command.index("--data_dir") + 1] == str(data_dir)
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--step", "fsdp", "--gpus", "3", "--nodes", "2"],
+     "--total_batch_size 64 is not a multiple of --batch_size_per_device 4 × 3 GPUs per node × 2 nodes = 24"),
+    (["--step", "fsdp", "--gpus", "0"], "--gpus must be at least 1 (got 0)"),
+    (["--step", "ddp", "--nodes", "0"], "--nodes must be at least 1 (got 0)"),
+    (["--step", "fsdp", "--batch_size_per_device", "0"], "--batch_size_per_device must be at least 1"),
+    (["--step", "singlegpu", "--gpus", "2"], "--step singlegpu runs on one GPU of one node"),
+    (["--step", "singlegpu", "--nodes", "2"], "--step singlegpu runs on one GPU of one node"),
+    (["--step", "tensor_parallel"], "argument --step: invalid choice: 'tensor_parallel'"),
+    (["--gpus", "2"], "the following arguments are required: --step"),
+    (["--step", "fsdp", "--time", "two hours"], "--time 'two hours' is not a Slurm time limit"),
+    (["--step", "fsdp", "--", "--gradient_accumulation_steps", "4"], "use submit.py's --total_batch_size"),
+    (["--step", "fsdp", "--", "--batch-size-per-device=4"], "use submit.py's --batch_size_per_device"),
+    (["--step", "fsdp", "--", "--device", "cpu"], "the device follows the allocation"),
+    (["--step", "fsdp", "--data_dir", "/nonexistent/chess/data"],
+     "no train.jsonl in /nonexistent/chess/data: run `python 01_download/download.py --out /nonexistent/chess`"),
+    (["--step", "fsdp", "--model", "/nonexistent/model"],
+     "model /nonexistent/model is neither a directory nor in the Hugging Face cache"),
+])
+def test_impossible_requests_are_refused_with_one_line(no_slurm_env, arguments, message):
+    for dry_run in ([], ["--dry-run"]):
+        result = run_submit(dry_run + arguments, no_slurm_env)
+        assert result.returncode == 2 and result.stdout == ""
+        assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
+        assert message in result.stderr
+
+
+def test_submitting_without_slurm_says_where_to_run(no_slurm_env):
+    result = run_submit(["--step", "fsdp", "--gpus", "2"], no_slurm_env)
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == ("error: no Slurm here (sbatch not found): run this on the cluster's login node, "
+                             "or add --dry-run\n")
+
+
+def test_time_limits_in_slurm_formats():
+    assert [submit.time_limit_minutes(t) for t in ["90", "5:30", "02:00:00", "1-0", "1-2:30", "0-00:01:01"]] == \
+        [90, 6, 120, 1440, 1590, 2]
+
+
+def test_shell_scripts_are_shellcheck_clean():
+    # CI starts from a fresh machine and installs it; elsewhere a missing shellcheck is a skip.
+    if os.environ.get("CI") == "true":
+        install_when_missing("shellcheck", "shellcheck")
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed (apt-get install shellcheck)")
+    scripts = sorted(str(p.relative_to(REPO)) for p in [*REPO.glob("slurm/*.sh"), *REPO.glob("tests/slurm/*.sh")])
+    assert "slurm/launch_lib.sh" in scripts and "slurm/fsdp.sh" in scripts
+    result = subprocess.run(["shellcheck", "-x", *scripts], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
