@@ -26,7 +26,8 @@ from tqdm import tqdm  # noqa: E402
 from common.chess_eval import game_prefixes, legal_move_sums, validation_loss_sums  # noqa: E402
 from common.data import GlobalBatchSampler, count_loss_tokens, load_rows, loss_sum, make_loader  # noqa: E402
 from common.errors import exit_on_user_error  # noqa: E402
-from common.metrics import MetricsLog, StepTimer, peak_memory, print_summary, write_summary  # noqa: E402
+from common.metrics import (MetricsLog, StepTimer, peak_memory, print_summary, run_params,  # noqa: E402
+                            write_summary)
 from common.train_setup import (check_arguments, enable_gradient_checkpointing, load_model,  # noqa: E402
                                 load_tokenizer, make_optimizer, make_scheduler, pick_device,
                                 seed_everything, training_arguments)
@@ -99,7 +100,8 @@ def main():
     untrained = evaluate()
     if is_main:
         tqdm.write(f"untrained model: {untrained}")
-    metrics = MetricsLog(output_dir, enabled=is_main)
+    metrics = MetricsLog(output_dir, enabled=is_main, report_to=args.report_to,
+                         params=run_params(args, world_size, device))
     progress = tqdm(range(args.max_steps), desc="train", mininterval=1.0, disable=not is_main)
     for step in progress:
         timer = StepTimer(device)

@@ -7,12 +7,16 @@ from pathlib import Path
 
 import torch
 
+from common.tracking import Tracker
+
 
 class MetricsLog:
-    """Appends one JSON line per optimiser step; only the rank that logs opens the file."""
+    """Where each optimiser step's figures go: one JSON line in metrics.jsonl, always, and the
+    trackers asked for with --report_to. Only the rank that logs (rank 0) writes anything."""
 
-    def __init__(self, output_dir, enabled):
-        self.file = (Path(output_dir) / "metrics.jsonl").open("a", encoding="utf-8") if enabled else None
+    def __init__(self, output_dir, enabled, report_to=(), params=None):
+        self.file = (Path(output_dir) / "metrics.jsonl").open("w", encoding="utf-8") if enabled else None
+        self.tracker = Tracker(list(report_to), Path(output_dir), Path(output_dir).name, params or {}, enabled)
         self.records = []
 
     def write(self, record):
@@ -20,10 +24,18 @@ class MetricsLog:
             self.records.append(record)
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()  # a killed job still leaves every finished step on disk
+            self.tracker.log(record, step=record["step"])
 
     def close(self):
         if self.file is not None:
             self.file.close()
+        self.tracker.close()
+
+
+def run_params(args, world_size, device):
+    """What describes a run for a tracker: its arguments, the world size and the GPU type."""
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "none (CPU)"
+    return {**vars(args), "world_size": world_size, "gpu_type": gpu}
 
 
 def peak_memory(device):

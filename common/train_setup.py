@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from common.errors import UserError
+from common.tracking import parse_report_to
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_DIR = REPO / "demo"
@@ -47,6 +48,9 @@ def training_arguments(description):
     add_flag(parser, "eval_games", type=int, default=64, help="game prefixes for the legal-move rate")
     add_flag(parser, "device", choices=["auto", "cpu", "cuda"], default="auto",
              help="auto: CUDA when a GPU is usable, else CPU")
+    add_flag(parser, "overwrite", action="store_true", help="replace a finished or failed run in --output_dir")
+    add_flag(parser, "report_to", default="none",
+             help="also track in: none, or a comma-separated list of tensorboard, mlflow, wandb")
     return parser
 
 
@@ -61,6 +65,7 @@ def check_arguments(args, world_size=1):
         raise UserError(f"--learning_rate must be positive (got {args.learning_rate})")
     if args.eval_every < 0:
         raise UserError("--eval_every must be 0 (only at the end) or positive")
+    args.report_to = parse_report_to(args.report_to)
     if args.warmup_steps is None:
         args.warmup_steps = max(1, args.max_steps // 10)
     if not 0 <= args.warmup_steps <= args.max_steps:
@@ -79,6 +84,9 @@ def check_arguments(args, world_size=1):
         raise UserError(f"cannot create --output_dir {output_dir}: {err.strerror}") from None
     if not os.access(output_dir, os.W_OK):
         raise UserError(f"--output_dir {output_dir} is not writable: choose another directory")
+    if (output_dir / "metrics.jsonl").exists() and not args.overwrite:
+        raise UserError(f"{output_dir} already holds a run: pass --overwrite to replace it, "
+                        "or choose another --output_dir")
 
 
 def pick_device(choice, local_rank=0):
