@@ -22,7 +22,8 @@
 # Software: by default the job runs in the environment of the shell that ran sbatch (sbatch
 # passes it on). To set it up here instead, uncomment and adapt:
 # module load cuda/12.4
-# source "$HOME/venvs/chess/bin/activate"      # or: conda activate chess
+# source "$HOME/venvs/chess/bin/activate"      # or: conda activate chess-fsdp
+# export HF_HOME=/scratch/$USER/huggingface    # the cache that 01_download filled
 # ---- end of site setup -----------------------------------------------------------------------
 
 set -euo pipefail
