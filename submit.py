@@ -178,7 +178,7 @@ def make_executor(args, timeout_min):
             # Compute nodes have no internet; huggingface_hub reads these at import time.
             "export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1",
         ],
-        # --cpus-per-task: since Slurm 22.05 srun no longer inherits it from the batch job.
+        # --cpus-per-task again: srun of Slurm 22.05 to 23.02 does not take it from the batch job.
         srun_args=["--kill-on-bad-exit=1", f"--cpus-per-task={cpus_per_task}"],
     )
     return executor, cpus_per_task

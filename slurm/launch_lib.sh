@@ -150,8 +150,8 @@ setup_training_job() {
   # Split the task's CPUs among the processes of a node (torchrun would set 1 and warn).
   local cpus=${SLURM_CPUS_PER_TASK:-1}
   export OMP_NUM_THREADS=$((cpus / GPUS_PER_NODE > 0 ? cpus / GPUS_PER_NODE : 1))
-  # Since Slurm 22.05 srun does not inherit --cpus-per-task from the batch job; without this
-  # each node's torchrun and all its workers would share one core.
+  # srun of Slurm 22.05 to 23.02 does not take --cpus-per-task from the batch job; without this,
+  # CPU binding could put each node's torchrun and all its workers on one core.
   export SRUN_CPUS_PER_TASK=$cpus
 
   echo "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $NODES node(s) × $GPUS_PER_NODE GPU(s) on $SLURM_JOB_NODELIST;" \
