@@ -13,6 +13,7 @@ uses the chess sample shipped with the repo (made by make_chess_sample.py).
 import argparse
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -103,10 +104,13 @@ def download(args):
         games = download_games(args.dataset, args.games, args.cache_dir)
         counts = write_splits(games, data_dir, args.validation_games)
         manifest_path.write_text(json.dumps({"request": wanted, **counts}, indent=1))
-    cache = args.cache_dir or os.environ.get("HF_HOME", "~/.cache/huggingface")
+    if args.cache_dir:  # the hub cache itself (models--*/ inside): HF_HUB_CACHE names that, HF_HOME the folder above
+        cache = "HF_HUB_CACHE=" + shlex.quote(str(Path(args.cache_dir).expanduser().resolve()))
+    else:
+        cache = "HF_HOME=" + shlex.quote(os.environ.get("HF_HOME", os.path.expanduser("~/.cache/huggingface")))
     print(f"\nmodel: {model_dir}\ndata:  {data_dir}\n"
           "On compute nodes (no internet) set, before Python starts:\n"
-          f"  export HF_HOME={cache}   # the same cache this step filled\n"
+          f"  export {cache}   # the same cache this step filled\n"
           "  export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1\n"
           f"and train with --model {args.model} --data_dir {data_dir}", flush=True)
 
