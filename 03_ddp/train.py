@@ -20,6 +20,8 @@ import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from common.checkpoint import (checkpoint_dir, complete_checkpoints, load_file, mark_complete,  # noqa: E402
+                               prepare, restore_rng, train_state)
 from common.chess_eval import game_prefixes, legal_move_sums, validation_loss_sums  # noqa: E402
 from common.data import GlobalBatchSampler, count_loss_tokens, load_rows, loss_sum, make_loader  # noqa: E402
 from common.errors import exit_on_user_error  # noqa: E402
@@ -52,6 +54,30 @@ def main():
     model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
 
+    optimizer = make_optimizer(model, args)
+    scheduler = make_scheduler(optimizer, args)
+
+    # Checkpoints: all ranks hold the same weights and optimizer state, so rank 0 writes one file.
+    def save_checkpoint(step):
+        if is_main:
+            path = checkpoint_dir(output_dir, step)
+            prepare(path)
+            torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                        "train": train_state(step, scheduler, {"untrained": untrained})}, path / "state.pt")
+            mark_complete(path, args.keep_checkpoints)
+        dist.barrier()  # nobody races ahead (or exits) while rank 0 is still writing
+
+    start_step, untrained = 0, None
+    if args.resume and (checkpoints := complete_checkpoints(output_dir)):
+        state = load_file(checkpoints[-1] / "state.pt")  # every rank reads the same file
+        model.module.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["train"]["scheduler"])
+        restore_rng(state["train"])
+        start_step, untrained = state["train"]["step"], state["train"]["untrained"]
+        if is_main:
+            tqdm.write(f"resuming from {checkpoints[-1]}")
+
     # Data: tokenized once and cached; every optimiser step gets one global batch.
     cache_dir = Path(args.data_dir) / "tokenized"
     train_rows, _ = load_rows(Path(args.data_dir) / "train.jsonl", tokenizer, args.max_seq_length,
@@ -63,12 +89,10 @@ def main():
     eval_rows = eval_rows[rank: len(eval_rows) - len(eval_rows) % world_size: world_size]
     prefixes = prefixes[rank: len(prefixes) - len(prefixes) % world_size: world_size]
     sampler = GlobalBatchSampler(len(train_rows), args.batch_size_per_device, args.gradient_accumulation_steps,
-                                 rank=rank, world_size=world_size, seed=args.seed, start_step=0,
+                                 rank=rank, world_size=world_size, seed=args.seed, start_step=start_step,
                                  max_steps=args.max_steps)
     batches = iter(make_loader(train_rows, sampler, tokenizer.pad_token_id, device))
 
-    optimizer = make_optimizer(model, args)
-    scheduler = make_scheduler(optimizer, args)
 
     def evaluate():
         """Validation loss and legal-move rate."""
@@ -82,12 +106,14 @@ def main():
         loss, tokens, legal, tried = sums.tolist()
         return {"eval_loss": loss / tokens, "legal_move_rate": legal / tried}
 
-    untrained = evaluate()
-    if is_main:
-        tqdm.write(f"untrained model: {untrained}")
+    if untrained is None:
+        untrained = evaluate()
+        if is_main:
+            tqdm.write(f"untrained model: {untrained}")
     metrics = MetricsLog(output_dir, enabled=is_main, report_to=args.report_to,
-                         params=run_params(args, world_size, device))
-    progress = tqdm(range(args.max_steps), desc="train", mininterval=1.0, disable=not is_main)
+                         params=run_params(args, world_size, device), resumed_at=start_step)
+    progress = tqdm(range(start_step, args.max_steps), desc="train", initial=start_step, total=args.max_steps,
+                    mininterval=1.0, disable=not is_main)
     for step in progress:
         timer = StepTimer(device)
         waiting = time.perf_counter()
@@ -117,10 +143,10 @@ def main():
         optimizer.zero_grad(set_to_none=True)
 
         elapsed, data_wait = timer.finish()
-        record = {"step": step + 1, "loss": (step_loss / step_tokens).item(), "lr": scheduler.get_last_lr()[0],
-                  "grad_norm": grad_norm.item(), "tokens": int(step_tokens), "tokens_per_s": step_tokens.item() / elapsed,
-                  "tokens_per_s_per_device": step_tokens.item() / elapsed / world_size,
-                  "step_time_s": elapsed,
+        tokens = step_tokens.item()
+        record = {"step": step + 1, "loss": step_loss.item() / tokens, "lr": scheduler.get_last_lr()[0],
+                  "grad_norm": grad_norm.item(), "tokens": int(tokens), "tokens_per_s": tokens / elapsed,
+                  "tokens_per_s_per_device": tokens / elapsed / world_size, "step_time_s": elapsed,
                   "data_wait_s": data_wait, "world_size": world_size,
                   "gradient_accumulation_steps": args.gradient_accumulation_steps,
                   "batch_size_per_device": args.batch_size_per_device, **peak_memory(device)}
@@ -129,6 +155,10 @@ def main():
             if is_main:
                     tqdm.write(f"step {step + 1}: eval_loss={record['eval_loss']:.4f} "
                            f"legal_move_rate={record['legal_move_rate']:.3f}")
+        if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.max_steps:
+            saving = time.perf_counter()
+            save_checkpoint(step + 1)
+            record["checkpoint_save_s"] = time.perf_counter() - saving
         metrics.write(record)
         progress.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
     metrics.close()

@@ -18,11 +18,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared `comm
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,  # noqa: E402
+                                                     get_state_dict, set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from common.checkpoint import (checkpoint_dir, complete_checkpoints, load_file, mark_complete,  # noqa: E402
+                               prepare, restore_rng, train_state, TRAIN_STATE)
 from common.chess_eval import game_prefixes, legal_move_sums, validation_loss_sums  # noqa: E402
 from common.data import GlobalBatchSampler, count_loss_tokens, load_rows, loss_sum, make_loader  # noqa: E402
 from common.errors import exit_on_user_error  # noqa: E402
@@ -67,6 +71,37 @@ def main():
                                                   reduce_dtype=torch.float32))
     autocast = nullcontext()  # FSDP casts the weights; no autocast on top
 
+    optimizer = make_optimizer(model, args)  # after sharding: it must see the sharded parameters
+    scheduler = make_scheduler(optimizer, args)
+
+    # Checkpoints: no rank holds the whole model, so every rank writes its own shards
+    # (torch.distributed.checkpoint). The files don't depend on the world size: a run saved on
+    # 2 ranks resumes on 4, each rank reading the pieces of its new shards.
+    def save_checkpoint(step):
+        path = checkpoint_dir(output_dir, step)
+        if is_main:
+            prepare(path)
+        dist.barrier()
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
+        if is_main:  # dcp.save has returned on every rank: all shards are on disk
+            torch.save(train_state(step, scheduler, {"untrained": untrained}), path / TRAIN_STATE)
+            mark_complete(path, args.keep_checkpoints)
+        dist.barrier()
+
+    start_step, untrained = 0, None
+    if args.resume and (checkpoints := complete_checkpoints(output_dir)):
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(state, checkpoint_id=checkpoints[-1])  # each rank reads what its shards need
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        train = load_file(checkpoints[-1] / TRAIN_STATE)
+        scheduler.load_state_dict(train["scheduler"])
+        restore_rng(train)
+        start_step, untrained = train["step"], train["untrained"]
+        if is_main:
+            tqdm.write(f"resuming from {checkpoints[-1]}")
+
     # Data: tokenized once and cached; every optimiser step gets one global batch.
     cache_dir = Path(args.data_dir) / "tokenized"
     train_rows, _ = load_rows(Path(args.data_dir) / "train.jsonl", tokenizer, args.max_seq_length,
@@ -78,12 +113,10 @@ def main():
     eval_rows = eval_rows[rank: len(eval_rows) - len(eval_rows) % world_size: world_size]
     prefixes = prefixes[rank: len(prefixes) - len(prefixes) % world_size: world_size]
     sampler = GlobalBatchSampler(len(train_rows), args.batch_size_per_device, args.gradient_accumulation_steps,
-                                 rank=rank, world_size=world_size, seed=args.seed, start_step=0,
+                                 rank=rank, world_size=world_size, seed=args.seed, start_step=start_step,
                                  max_steps=args.max_steps)
     batches = iter(make_loader(train_rows, sampler, tokenizer.pad_token_id, device))
 
-    optimizer = make_optimizer(model, args)  # after sharding: it must see the sharded parameters
-    scheduler = make_scheduler(optimizer, args)
 
     def evaluate():
         """Validation loss and legal-move rate."""
@@ -97,12 +130,14 @@ def main():
         loss, tokens, legal, tried = sums.tolist()
         return {"eval_loss": loss / tokens, "legal_move_rate": legal / tried}
 
-    untrained = evaluate()
-    if is_main:
-        tqdm.write(f"untrained model: {untrained}")
+    if untrained is None:
+        untrained = evaluate()
+        if is_main:
+            tqdm.write(f"untrained model: {untrained}")
     metrics = MetricsLog(output_dir, enabled=is_main, report_to=args.report_to,
-                         params=run_params(args, world_size, device))
-    progress = tqdm(range(args.max_steps), desc="train", mininterval=1.0, disable=not is_main)
+                         params=run_params(args, world_size, device), resumed_at=start_step)
+    progress = tqdm(range(start_step, args.max_steps), desc="train", initial=start_step, total=args.max_steps,
+                    mininterval=1.0, disable=not is_main)
     for step in progress:
         timer = StepTimer(device)
         waiting = time.perf_counter()
@@ -132,10 +167,10 @@ def main():
         optimizer.zero_grad(set_to_none=True)
 
         elapsed, data_wait = timer.finish()
-        record = {"step": step + 1, "loss": (step_loss / step_tokens).item(), "lr": scheduler.get_last_lr()[0],
-                  "grad_norm": grad_norm.item(), "tokens": int(step_tokens), "tokens_per_s": step_tokens.item() / elapsed,
-                  "tokens_per_s_per_device": step_tokens.item() / elapsed / world_size,
-                  "step_time_s": elapsed,
+        tokens = step_tokens.item()
+        record = {"step": step + 1, "loss": step_loss.item() / tokens, "lr": scheduler.get_last_lr()[0],
+                  "grad_norm": grad_norm.item(), "tokens": int(tokens), "tokens_per_s": tokens / elapsed,
+                  "tokens_per_s_per_device": tokens / elapsed / world_size, "step_time_s": elapsed,
                   "data_wait_s": data_wait, "world_size": world_size,
                   "gradient_accumulation_steps": args.gradient_accumulation_steps,
                   "batch_size_per_device": args.batch_size_per_device, **peak_memory(device)}
@@ -144,6 +179,10 @@ def main():
             if is_main:
                     tqdm.write(f"step {step + 1}: eval_loss={record['eval_loss']:.4f} "
                            f"legal_move_rate={record['legal_move_rate']:.3f}")
+        if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.max_steps:
+            saving = time.perf_counter()
+            save_checkpoint(step + 1)
+            record["checkpoint_save_s"] = time.perf_counter() - saving
         metrics.write(record)
         progress.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
     metrics.close()

@@ -14,8 +14,12 @@ class MetricsLog:
     """Where each optimiser step's figures go: one JSON line in metrics.jsonl, always, and the
     trackers asked for with --report_to. Only the rank that logs (rank 0) writes anything."""
 
-    def __init__(self, output_dir, enabled, report_to=(), params=None):
-        self.file = (Path(output_dir) / "metrics.jsonl").open("w", encoding="utf-8") if enabled else None
+    def __init__(self, output_dir, enabled, report_to=(), params=None, resumed_at=0):
+        path = Path(output_dir) / "metrics.jsonl"
+        if enabled and resumed_at and path.exists():  # keep the steps up to the checkpoint; later ones will be redone
+            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= resumed_at]
+            path.write_text("".join(line + "\n" for line in kept))
+        self.file = path.open("a" if resumed_at else "w", encoding="utf-8") if enabled else None
         self.tracker = Tracker(list(report_to), Path(output_dir), Path(output_dir).name, params or {}, enabled)
         self.records = []
 
@@ -74,6 +78,8 @@ def print_summary(title, figures, file=sys.stdout):
 def write_summary(output_dir, name, records, untrained, peaks_per_rank):
     """summary.json: the figures the demo's side-by-side table shows. Throughput leaves out the
     first step (start-up costs: allocator warm-up, first collectives)."""
+    if not records:  # resumed a run that had already finished
+        return {}
     timed = records[1:] or records
     last = records[-1]
     summary = {

@@ -3,6 +3,7 @@ import argparse
 import math
 import os
 import random
+import shutil
 from pathlib import Path
 
 import torch
@@ -48,7 +49,13 @@ def training_arguments(description):
     add_flag(parser, "eval_games", type=int, default=64, help="game prefixes for the legal-move rate")
     add_flag(parser, "device", choices=["auto", "cpu", "cuda"], default="auto",
              help="auto: CUDA when a GPU is usable, else CPU")
-    add_flag(parser, "overwrite", action="store_true", help="replace a finished or failed run in --output_dir")
+    add_flag(parser, "save_every", type=int, default=0,
+             help="save a checkpoint every N steps (0: only at the end)")
+    add_flag(parser, "keep_checkpoints", type=int, default=2, help="complete checkpoints to keep")
+    add_flag(parser, "resume", action="store_true",
+             help="continue from the newest complete checkpoint in --output_dir (start afresh if none)")
+    add_flag(parser, "overwrite", action="store_true",
+             help="replace the run in --output_dir (its metrics and checkpoints are deleted)")
     add_flag(parser, "report_to", default="none",
              help="also track in: none, or a comma-separated list of tensorboard, mlflow, wandb")
     return parser
@@ -56,15 +63,18 @@ def training_arguments(description):
 
 def check_arguments(args, world_size=1):
     """Refuse settings that cannot work, before any expensive work starts."""
-    for name in ("batch_size_per_device", "gradient_accumulation_steps", "max_steps", "eval_rows", "eval_games"):
+    for name in ("batch_size_per_device", "gradient_accumulation_steps", "max_steps", "eval_rows", "eval_games",
+                 "keep_checkpoints"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name} must be at least 1 (got {getattr(args, name)})")
     if args.max_seq_length < 16:
         raise UserError(f"--max_seq_length must be at least 16 tokens (got {args.max_seq_length})")
     if not args.learning_rate > 0:
         raise UserError(f"--learning_rate must be positive (got {args.learning_rate})")
-    if args.eval_every < 0:
-        raise UserError("--eval_every must be 0 (only at the end) or positive")
+    if args.eval_every < 0 or args.save_every < 0:
+        raise UserError("--eval_every and --save_every must be 0 (only at the end) or positive")
+    if args.resume and args.overwrite:
+        raise UserError("--resume continues the run in --output_dir, --overwrite replaces it: choose one")
     args.report_to = parse_report_to(args.report_to)
     if args.warmup_steps is None:
         args.warmup_steps = max(1, args.max_steps // 10)
@@ -84,9 +94,11 @@ def check_arguments(args, world_size=1):
         raise UserError(f"cannot create --output_dir {output_dir}: {err.strerror}") from None
     if not os.access(output_dir, os.W_OK):
         raise UserError(f"--output_dir {output_dir} is not writable: choose another directory")
-    if (output_dir / "metrics.jsonl").exists() and not args.overwrite:
-        raise UserError(f"{output_dir} already holds a run: pass --overwrite to replace it, "
-                        "or choose another --output_dir")
+    if (output_dir / "metrics.jsonl").exists() and not (args.overwrite or args.resume):
+        raise UserError(f"{output_dir} already holds a run: pass --resume to continue it, --overwrite "
+                        "to replace it, or choose another --output_dir")
+    if args.overwrite:
+        shutil.rmtree(output_dir / "checkpoints", ignore_errors=True)  # else --resume could pick them up later
 
 
 def pick_device(choice, local_rank=0):

@@ -60,7 +60,7 @@ def test_training_moves_the_weights_and_lowers_the_loss(runs, demo):
 
 
 def test_gradient_checkpointing_changes_memory_not_maths(runs, demo, tmp_path):
-    run_step("single", demo_args(demo, tmp_path) + LESSON + ["--batch_size_per_device", 2,
-                                                             "--gradient_accumulation_steps", 4, "--gradient_checkpointing"])
+    run_step("single", demo_args(demo, tmp_path) + LESSON + [
+        "--batch_size_per_device", 2, "--gradient_accumulation_steps", 4, "--gradient_checkpointing"])
     for ref, got in zip(read_metrics(runs["single_1x2x4"]), read_metrics(tmp_path)):
         assert abs(got["loss"] - ref["loss"]) <= 1e-5
