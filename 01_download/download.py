@@ -192,6 +192,9 @@ def main():
     args = parser.parse_args()
     if args.games < 1 or args.validation_games < 1:
         raise UserError("--games and --validation_games must be at least 1")
+    if not args.demo and args.validation_games >= args.games:  # say so before a many-GB download, not after
+        raise UserError(f"--validation_games {args.validation_games} holds out all {args.games} games of --games: "
+                        "none are left for training")
     build_demo(args) if args.demo else download(args)
 
 

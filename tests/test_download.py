@@ -261,6 +261,12 @@ def test_bad_dataset_gives_one_error_line_and_keeps_earlier_data(hub, tmp_path, 
     assert {p: p.read_bytes() for p in (out / "data").iterdir()} == before
 
 
+def test_counts_that_leave_no_training_games_are_refused_before_downloading(hub, tmp_path):
+    line = one_error_line(run_download(hub, tmp_path / "home", tmp_path / "out", "--games", 10, "--validation_games", 10))
+    assert "--validation_games" in line and "--games" in line
+    assert hub.requests == [] and not (tmp_path / "home" / "hub").exists()
+
+
 # ---- the built-in tiny default -----------------------------------------------------------------
 
 def test_demo_builds_a_tiny_model_and_data_without_network(hub, tmp_path):
