@@ -232,12 +232,15 @@ stop_leftover_job_processes() {
   # proctrack/linuxproc loses processes that were re-parented to init (an orphaned torchrun
   # would keep its rendezvous port). Every job process carries SLURM_CONF of this cluster in
   # its environment; stop exactly those.
-  local environ pid pids=()
+  local environ pid variables pids=()
   for environ in /proc/[0-9]*/environ; do
-    pid=${environ#/proc/}; pid=${pid%/environ}
+    pid=${environ#/proc/}
+    pid=${pid%/environ}
     [[ $pid == "$$" ]] && continue
-    if tr '\0' '\n' <"$environ" 2>/dev/null | grep -qxF "SLURM_CONF=$CLUSTER_DIR/slurm.conf" \
-      && tr '\0' '\n' <"$environ" 2>/dev/null | grep -q '^SLURM_JOB_ID='; then
+    # stderr first: processes vanish, and kernel threads have no readable environment
+    variables=$(tr '\0' '\n' 2>/dev/null <"$environ") || continue
+    if grep -qxF "SLURM_CONF=$CLUSTER_DIR/slurm.conf" <<<"$variables" \
+      && grep -q '^SLURM_JOB_ID=' <<<"$variables"; then
       pids+=("$pid")
     fi
   done
