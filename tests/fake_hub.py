@@ -40,7 +40,7 @@ class Request:
     path: str                    # unquoted, without the query
     query: dict
     status: int
-    sent: tuple | None = None    # (repo key, file name) when the file's bytes were sent
+    sent: tuple | None = None    # (repo type, repo id, file name) when the file's bytes were sent
 
 
 class Repo:
