@@ -22,32 +22,70 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,  # noqa: E402
                                                      get_state_dict, set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard  # noqa: E402
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from common.checkpoint import (checkpoint_dir, complete_checkpoints, load_file, mark_complete,  # noqa: E402
                                prepare, restore_rng, train_state, TRAIN_STATE)
 from common.chess_eval import game_prefixes, legal_move_sums, validation_loss_sums  # noqa: E402
 from common.data import GlobalBatchSampler, count_loss_tokens, load_rows, loss_sum, make_loader  # noqa: E402
-from common.errors import exit_on_user_error  # noqa: E402
+from common.errors import UserError, exit_on_user_error  # noqa: E402
 from common.metrics import (MetricsLog, StepTimer, peak_memory, print_summary, run_params,  # noqa: E402
                             write_summary)
-from common.train_setup import (check_arguments, enable_gradient_checkpointing, load_model,  # noqa: E402
+from common.train_setup import (add_flag, check_arguments, enable_gradient_checkpointing, load_model,  # noqa: E402
                                 load_tokenizer, make_optimizer, make_scheduler, pick_device,
                                 seed_everything, training_arguments)
 
 
-def shard_model(model, mesh, mp_policy):
+# The sharding strategies users know from FSDP1 (and DeepSpeed), expressed in FSDP2:
+#   FULL_SHARD    (ZeRO-3) shard over all ranks; free each layer's gathered weights after its
+#                 forward and gather them again in backward. Least memory.
+#   SHARD_GRAD_OP (ZeRO-2) shard over all ranks, but keep the gathered weights from forward to
+#                 backward (reshard_after_forward=False): one all-gather less, more memory.
+#   HYBRID_SHARD  a 2-D mesh: shard within a group of ranks (by default the GPUs of one node, over
+#                 fast NVLink) and replicate across groups (all-reduce over the slower network).
+#   NO_SHARD      (DDP) the same 2-D mesh with groups of one rank: every rank keeps everything.
+STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
+PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def build_mesh(strategy, device_type, world_size, shard_group_size):
+    """The ranks FSDP shards over: a 1-D mesh, or (replicas × shards) for hybrid/no sharding."""
+    if strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        return init_device_mesh(device_type, (world_size,))
+    shards = 1 if strategy == "NO_SHARD" else shard_group_size
+    if world_size % shards:
+        raise UserError(f"HYBRID_SHARD: {world_size} ranks do not split into groups of {shards} "
+                        "(--shard_group_size)")
+    return init_device_mesh(device_type, (world_size // shards, shards), mesh_dim_names=("replicate", "shard"))
+
+
+def shard_model(model, mesh, strategy, mp_policy, offload_policy):
     """FSDP by hand, bottom-up: every decoder layer becomes one unit whose weights are
     all-gathered just before it runs and freed right after; then the root takes what is left
     (embeddings, final norm, lm_head). One unit for the whole model would gather it all at once."""
+    options = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy,
+                   reshard_after_forward=strategy != "SHARD_GRAD_OP")
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+        fully_shard(layer, **options)
+    fully_shard(model, **options)
+
+
+def parse_arguments():
+    parser = training_arguments(__doc__.split("\n\n")[0])
+    add_flag(parser, "sharding_strategy", choices=STRATEGIES, default="FULL_SHARD", help="see the table above")
+    add_flag(parser, "shard_group_size", type=int, default=None,
+             help="HYBRID_SHARD: ranks per shard group (default: the GPUs of one node)")
+    add_flag(parser, "precision", choices=list(PRECISIONS), default=None,
+             help="compute dtype of the layers (default: bf16 on GPU, fp32 on CPU); weights and AdamW stay fp32")
+    add_flag(parser, "cpu_offload", action="store_true",
+             help="keep sharded weights, gradients and optimizer state in CPU memory; the optimizer steps there")
+    return parser.parse_args()
 
 
 def main():
-    args = training_arguments(__doc__.split("\n\n")[0]).parse_args()
+    args = parse_arguments()
     check_arguments(args)
     seed_everything(args.seed)
     # torchrun starts one process per GPU and tells each who it is.
@@ -58,18 +96,23 @@ def main():
     is_main = rank == 0  # only rank 0 logs and saves
     output_dir = Path(args.output_dir)
 
-    # Model: fp32 weights, sharded. On GPU, FSDP itself runs the layers in bf16 and reduces the
+    # Model: fp32 weights, sharded. FSDP itself runs the layers in bf16 or fp16 and reduces the
     # gradients in fp32 (MixedPrecisionPolicy); the sharded weights and AdamW's state stay fp32.
     # Never cast the model to bf16 before sharding: AdamW would then keep bf16 state.
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model).to(device)
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model)  # before sharding, so FSDP's hooks stay outside it
-    mesh = init_device_mesh(device.type, (world_size,))
-    on_gpu = device.type == "cuda"
-    shard_model(model, mesh, MixedPrecisionPolicy(param_dtype=torch.bfloat16 if on_gpu else torch.float32,
-                                                  reduce_dtype=torch.float32))
+    precision = args.precision or ("bf16" if device.type == "cuda" else "fp32")
+    mesh = build_mesh(args.sharding_strategy, device.type, world_size,
+                      args.shard_group_size or int(os.environ["LOCAL_WORLD_SIZE"]))
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if args.cpu_offload else OffloadPolicy()
+    shard_model(model, mesh, args.sharding_strategy,
+                MixedPrecisionPolicy(param_dtype=PRECISIONS[precision], reduce_dtype=torch.float32), offload)
     autocast = nullcontext()  # FSDP casts the weights; no autocast on top
+    # fp16 overflows where bf16 does not: scale the loss up, and skip steps whose gradients hit
+    # inf. The sharded scaler agrees on "inf found" across ranks. bf16 and fp32 need no scaler.
+    scaler = ShardedGradScaler(device=device.type, enabled=precision == "fp16")
 
     optimizer = make_optimizer(model, args)  # after sharding: it must see the sharded parameters
     scheduler = make_scheduler(optimizer, args)
@@ -85,7 +128,8 @@ def main():
         model_state, optimizer_state = get_state_dict(model, optimizer)
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
         if is_main:  # dcp.save has returned on every rank: all shards are on disk
-            torch.save(train_state(step, scheduler, {"untrained": untrained}), path / TRAIN_STATE)
+            torch.save(train_state(step, scheduler, {"untrained": untrained, "scaler": scaler.state_dict()}),
+                       path / TRAIN_STATE)
             mark_complete(path, args.keep_checkpoints)
         dist.barrier()
 
@@ -97,6 +141,7 @@ def main():
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         train = load_file(checkpoints[-1] / TRAIN_STATE)
         scheduler.load_state_dict(train["scheduler"])
+        scaler.load_state_dict(train["scaler"])
         restore_rng(train)
         start_step, untrained = train["step"], train["untrained"]
         if is_main:
@@ -156,13 +201,15 @@ def main():
             with autocast:
                 loss = loss_sum(model, batch)
             # FSDP averages gradients over ranks; × world_size turns that average into the sum.
-            (loss * world_size / step_tokens).backward()
+            scaler.scale(loss * world_size / step_tokens).backward()
             step_loss += loss.detach()
         dist.all_reduce(step_loss)
 
         # The parameters are DTensor shards; the norm comes back as a DTensor of the full norm.
+        scaler.unscale_(optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).full_tensor()
-        optimizer.step()
+        scaler.step(optimizer)
+        scaler.update()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
 

@@ -44,3 +44,39 @@ def read_metrics(output_dir):
 
 def demo_args(demo, output_dir):
     return ["--model", demo / "model", "--data_dir", demo / "data", "--output_dir", output_dir, *QUICK]
+
+
+# The equivalence settings: unpacked rows of different lengths (so a wrong loss weighting would
+# show) and a small learning rate (see tests/test_equivalence.py for why).
+EQUIVALENCE_STEPS = 6
+EQUIVALENCE = ["--max_steps", EQUIVALENCE_STEPS, "--no_packing", "--learning_rate", 1e-4]
+
+
+@pytest.fixture(scope="session")
+def single_reference(demo, tmp_path_factory):
+    """02 on one process, global batch of 8 rows as 2 rows × 4 micro-batches: the run every
+    distributed configuration must reproduce."""
+    out = tmp_path_factory.mktemp("single_reference")
+    run_step("single", demo_args(demo, out) + EQUIVALENCE + ["--batch_size_per_device", 2,
+                                                             "--gradient_accumulation_steps", 4])
+    return out
+
+
+def assert_same_run(reference_dir, other_dir, tolerance, weights=True):
+    """Same per-step losses (and final weights) as the reference run, within `tolerance`."""
+    from safetensors.torch import load_file
+    reference, other = read_metrics(reference_dir), read_metrics(other_dir)
+    assert [r["step"] for r in other] == [r["step"] for r in reference]
+    for ref, got in zip(reference, other):
+        assert got["tokens"] == ref["tokens"], "a different global batch"
+        assert abs(got["loss"] - ref["loss"]) <= tolerance, (ref["step"], ref["loss"], got["loss"])
+    if weights:
+        ref_weights = load_file(Path(reference_dir) / "final/model.safetensors")
+        got_weights = load_file(Path(other_dir) / "final/model.safetensors")
+        assert ref_weights.keys() == got_weights.keys()
+        worst = max((ref_weights[k] - got_weights[k]).abs().max().item() for k in ref_weights)
+        assert worst <= tolerance, worst
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slurm: jobs on the local Slurm cluster (tests/slurm/local_cluster.sh)")

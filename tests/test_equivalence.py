@@ -13,12 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import demo_args, read_metrics, run_step
+from conftest import EQUIVALENCE, EQUIVALENCE_STEPS, assert_same_run, demo_args, read_metrics, run_step
 
-STEPS = 6
-LESSON = ["--max_steps", STEPS, "--no_packing", "--learning_rate", 1e-4]
 SPLITS = {  # name: (step, ranks, batch per device, accumulation); 8 rows per optimiser step each
-    "single_1x2x4": ("single", 1, 2, 4),
     "ddp_2x2x2": ("ddp", 2, 2, 2),
     "fsdp_2x2x2": ("fsdp", 2, 2, 2),
     "fsdp_4x2x1": ("fsdp", 4, 2, 1),
@@ -30,25 +27,18 @@ def runs(demo, tmp_path_factory):
     results = {}
     for name, (step, ranks, batch, accumulation) in SPLITS.items():
         out = tmp_path_factory.mktemp(name)
-        run_step(step, demo_args(demo, out) + LESSON + ["--batch_size_per_device", batch,
-                                                        "--gradient_accumulation_steps", accumulation], nproc=ranks)
+        run_step(step, demo_args(demo, out) + EQUIVALENCE + ["--batch_size_per_device", batch,
+                                                             "--gradient_accumulation_steps", accumulation],
+                 nproc=ranks)
         results[name] = out
     return results
 
 
-@pytest.mark.parametrize("name", [n for n in SPLITS if n != "single_1x2x4"])
-def test_same_losses_and_weights_as_single_device(runs, name):
-    reference, other = read_metrics(runs["single_1x2x4"]), read_metrics(runs[name])
-    assert [r["step"] for r in other] == list(range(1, STEPS + 1))
-    assert other[-1]["world_size"] == SPLITS[name][1]
-    for ref, got in zip(reference, other):
-        assert got["tokens"] == ref["tokens"], "a different global batch"
-        assert abs(got["loss"] - ref["loss"]) <= 1e-5, (ref["step"], ref["loss"], got["loss"])
-    ref_weights = load_file(runs["single_1x2x4"] / "final/model.safetensors")
-    got_weights = load_file(runs[name] / "final/model.safetensors")
-    assert ref_weights.keys() == got_weights.keys()
-    worst = max((ref_weights[k] - got_weights[k]).abs().max().item() for k in ref_weights)
-    assert worst <= 1e-5, worst
+@pytest.mark.parametrize("name", SPLITS)
+def test_same_losses_and_weights_as_single_device(single_reference, runs, name):
+    assert len(read_metrics(runs[name])) == EQUIVALENCE_STEPS
+    assert read_metrics(runs[name])[-1]["world_size"] == SPLITS[name][1]
+    assert_same_run(single_reference, runs[name], tolerance=1e-5)
 
 
 def test_training_moves_the_weights_and_lowers_the_loss(runs, demo):
@@ -59,8 +49,7 @@ def test_training_moves_the_weights_and_lowers_the_loss(runs, demo):
     assert all(not torch.equal(start[k], trained[k]) for k in start if k.endswith("q_proj.weight"))
 
 
-def test_gradient_checkpointing_changes_memory_not_maths(runs, demo, tmp_path):
-    run_step("single", demo_args(demo, tmp_path) + LESSON + [
+def test_gradient_checkpointing_changes_memory_not_maths(single_reference, demo, tmp_path):
+    run_step("single", demo_args(demo, tmp_path) + EQUIVALENCE + [
         "--batch_size_per_device", 2, "--gradient_accumulation_steps", 4, "--gradient_checkpointing"])
-    for ref, got in zip(read_metrics(runs["single_1x2x4"]), read_metrics(tmp_path)):
-        assert abs(got["loss"] - ref["loss"]) <= 1e-5
+    assert_same_run(single_reference, tmp_path, tolerance=1e-5)

@@ -9,9 +9,8 @@ import time
 
 import psutil
 import pytest
-from safetensors.torch import load_file
 
-from conftest import REPO, STEP_SCRIPTS, demo_args, read_metrics, run_step
+from conftest import REPO, STEP_SCRIPTS, assert_same_run, demo_args, read_metrics, run_step
 
 STEPS = 6
 RUN = ["--max_steps", STEPS, "--save_every", 2, "--keep_checkpoints", 2]
@@ -43,17 +42,6 @@ def kill_after_first_checkpoint(step, args, nproc, output_dir, timeout=300):
         proc.send_signal(signal.SIGKILL)
     process.wait()
     assert len(read_metrics(output_dir)) < STEPS, "killed too late to test anything"
-
-
-def assert_same_run(reference_dir, resumed_dir, tolerance):
-    reference, resumed = read_metrics(reference_dir), read_metrics(resumed_dir)
-    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
-    for ref, got in zip(reference, resumed):
-        assert abs(ref["loss"] - got["loss"]) <= tolerance, (ref["step"], ref["loss"], got["loss"])
-    ref_weights = load_file(reference_dir / "final/model.safetensors")
-    got_weights = load_file(resumed_dir / "final/model.safetensors")
-    worst = max((ref_weights[k] - got_weights[k]).abs().max().item() for k in ref_weights)
-    assert worst <= tolerance, worst
 
 
 @pytest.mark.parametrize("step, nproc, split", [
