@@ -2,13 +2,14 @@
 # The CPU demo, from a fresh clone: install, build the tiny built-in default (no network), train
 # it with one process (02), with DDP (03) and with FSDP (04) on 2 CPU ranks, and compare.
 # Every run uses the same global batch of 16 rows, so the three loss curves should coincide.
+# Arguments are passed to all three runs, e.g. `./demo.sh --report_to tensorboard`.
 set -euo pipefail
 cd "$(dirname "$0")"
 bash install.sh
 python=.venv/bin/python
 runs=runs/demo
 steps=${DEMO_STEPS:-150}
-train=(--max_steps "$steps" --eval_every 50 --learning_rate 3e-3 --max_seq_length 128 --overwrite)
+train=(--max_steps "$steps" --eval_every 50 --learning_rate 3e-3 --max_seq_length 128 --overwrite "$@")
 
 $python 01_download/download.py --demo --out demo
 
