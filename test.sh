@@ -4,4 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 bash install.sh -r requirements-tracking.txt
+# the built-in tiny default, which the scripts (and submit.py's plans) use when given no --model
+.venv/bin/python 01_download/download.py --demo --out demo
 exec .venv/bin/python -m pytest tests "$@"
