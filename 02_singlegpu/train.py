@@ -18,13 +18,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared `comm
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from common.checkpoint import (checkpoint_dir, complete_checkpoints, load_file, mark_complete,  # noqa: E402
-                               prepare, restore_rng, train_state)
+from common.checkpoint import (checkpoint_dir, load_file, load_newest, mark_complete, prepare,  # noqa: E402
+                               restore_rng, stop_if_not_finite, train_state)
 from common.chess_eval import game_prefixes, legal_move_sums, validation_loss_sums  # noqa: E402
 from common.data import GlobalBatchSampler, count_loss_tokens, load_rows, loss_sum, make_loader  # noqa: E402
 from common.errors import exit_on_user_error  # noqa: E402
-from common.metrics import (MetricsLog, StepTimer, peak_memory, print_summary, run_params,  # noqa: E402
-                            write_summary)
+from common.metrics import (MetricsLog, StepTimer, flops_per_token, model_flops_utilization,  # noqa: E402
+                            peak_memory, print_summary, run_params, write_summary)
+from common.signals import PreemptionFlag  # noqa: E402
 from common.train_setup import (check_arguments, enable_gradient_checkpointing, load_model,  # noqa: E402
                                 load_tokenizer, make_optimizer, make_scheduler, pick_device,
                                 seed_everything, training_arguments)
@@ -36,11 +37,14 @@ def main():
     seed_everything(args.seed)
     device = pick_device(args.device)
     output_dir = Path(args.output_dir)
+    # Slurm's warning before a time limit or preemption: finish the step, save, exit cleanly.
+    preemption = PreemptionFlag(device)  # from here on, USR2 no longer kills us
 
     # Model: fp32 weights; on GPU the forward pass runs in bf16 under autocast
     # (bf16 has fp32's range, so no GradScaler is needed).
-    tokenizer = load_tokenizer(args.model)
-    model = load_model(args.model).to(device)
+    tokenizer = load_tokenizer(args.model, args.trust_remote_code)
+    model = load_model(args.model, args.trust_remote_code).to(device)
+    model_flops = flops_per_token(model, args.max_seq_length)  # for MFU
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
@@ -56,15 +60,18 @@ def main():
                     "train": train_state(step, scheduler, {"untrained": untrained})}, path / "state.pt")
         mark_complete(path, args.keep_checkpoints)
 
-    start_step, untrained = 0, None
-    if args.resume and (checkpoints := complete_checkpoints(output_dir)):
-        state = load_file(checkpoints[-1] / "state.pt")
+    def load_checkpoint(path):
+        nonlocal start_step, untrained
+        state = load_file(path / "state.pt")
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["train"]["scheduler"])
         restore_rng(state["train"])
         start_step, untrained = state["train"]["step"], state["train"]["untrained"]
-        tqdm.write(f"resuming from {checkpoints[-1]}")
+
+    start_step, untrained = 0, None
+    if args.resume and (resumed_from := load_newest(output_dir, load_checkpoint)):
+        tqdm.write(f"resuming from {resumed_from}")
 
     # Data: tokenized once and cached; every optimiser step gets one global batch.
     cache_dir = Path(args.data_dir) / "tokenized"
@@ -120,23 +127,30 @@ def main():
         optimizer.zero_grad(set_to_none=True)
 
         elapsed, data_wait = timer.finish()
-        tokens = step_tokens.item()
-        record = {"step": step + 1, "loss": step_loss.item() / tokens, "lr": scheduler.get_last_lr()[0],
-                  "grad_norm": grad_norm.item(), "tokens": int(tokens), "tokens_per_s": tokens / elapsed,
+        tokens, loss_total, grad_norm = torch.stack([step_tokens, step_loss, grad_norm]).tolist()  # one sync
+        stop_if_not_finite(loss_total, step + 1, output_dir)
+        record = {"step": step + 1, "loss": loss_total / tokens, "lr": scheduler.get_last_lr()[0],
+                  "grad_norm": grad_norm, "tokens": int(tokens), "tokens_per_s": tokens / elapsed,
                   "tokens_per_s_per_device": tokens / elapsed, "step_time_s": elapsed,
                   "data_wait_s": data_wait, "world_size": 1,
                   "gradient_accumulation_steps": args.gradient_accumulation_steps,
-                  "batch_size_per_device": args.batch_size_per_device, **peak_memory(device)}
+                  "batch_size_per_device": args.batch_size_per_device, **peak_memory(device),
+                  **model_flops_utilization(tokens / elapsed, model_flops, device)}
+        preempted = preemption.requested()
         if (args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.max_steps:
             record.update(evaluate())
             tqdm.write(f"step {step + 1}: eval_loss={record['eval_loss']:.4f} "
                        f"legal_move_rate={record['legal_move_rate']:.3f}")
-        if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.max_steps:
+        if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.max_steps or preempted:
             saving = time.perf_counter()
             save_checkpoint(step + 1)
             record["checkpoint_save_s"] = time.perf_counter() - saving
         metrics.write(record)
         progress.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
+        if preempted and step + 1 < args.max_steps:
+            metrics.close()
+            tqdm.write(f"preempted: saved a checkpoint at step {step + 1} in {output_dir}; continue with --resume")
+            return
     metrics.close()
 
     # The final model in Hugging Face format, loadable with AutoModelForCausalLM.from_pretrained.

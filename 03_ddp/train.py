@@ -20,19 +20,21 @@ import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from common.checkpoint import (checkpoint_dir, complete_checkpoints, load_file, mark_complete,  # noqa: E402
-                               prepare, restore_rng, train_state)
+from common.checkpoint import (checkpoint_dir, load_file, load_newest, mark_complete, prepare,  # noqa: E402
+                               restore_rng, stop_if_not_finite, train_state)
 from common.chess_eval import game_prefixes, legal_move_sums, validation_loss_sums  # noqa: E402
 from common.data import GlobalBatchSampler, count_loss_tokens, load_rows, loss_sum, make_loader  # noqa: E402
 from common.errors import exit_on_user_error  # noqa: E402
-from common.metrics import (MetricsLog, StepTimer, peak_memory, print_summary, run_params,  # noqa: E402
-                            write_summary)
+from common.metrics import (MetricsLog, StepTimer, flops_per_token, model_flops_utilization,  # noqa: E402
+                            peak_memory, print_summary, run_params, write_summary)
+from common.signals import PreemptionFlag, die_with_launcher  # noqa: E402
 from common.train_setup import (check_arguments, enable_gradient_checkpointing, load_model,  # noqa: E402
                                 load_tokenizer, make_optimizer, make_scheduler, pick_device,
                                 seed_everything, training_arguments)
 
 
 def main():
+    die_with_launcher()  # no orphaned ranks if torchrun is killed
     args = training_arguments(__doc__.split("\n\n")[0]).parse_args()
     check_arguments(args)
     seed_everything(args.seed)
@@ -43,11 +45,14 @@ def main():
     dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     is_main = rank == 0  # only rank 0 logs and saves
     output_dir = Path(args.output_dir)
+    # Slurm's warning before a time limit or preemption: all ranks finish the step, save, exit cleanly.
+    preemption = PreemptionFlag(device)  # from here on, USR2 no longer kills us
 
     # Model: fp32 weights; on GPU the forward pass runs in bf16 under autocast
     # (bf16 has fp32's range, so no GradScaler is needed).
-    tokenizer = load_tokenizer(args.model)
-    model = load_model(args.model).to(device)
+    tokenizer = load_tokenizer(args.model, args.trust_remote_code)
+    model = load_model(args.model, args.trust_remote_code).to(device)
+    model_flops = flops_per_token(model, args.max_seq_length)  # for MFU
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     # DDP broadcasts rank 0's weights to every rank and hooks the gradient all-reduce into backward.
@@ -67,16 +72,18 @@ def main():
             mark_complete(path, args.keep_checkpoints)
         dist.barrier()  # nobody races ahead (or exits) while rank 0 is still writing
 
-    start_step, untrained = 0, None
-    if args.resume and (checkpoints := complete_checkpoints(output_dir)):
-        state = load_file(checkpoints[-1] / "state.pt")  # every rank reads the same file
+    def load_checkpoint(path):
+        nonlocal start_step, untrained
+        state = load_file(path / "state.pt")  # every rank reads the same file
         model.module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["train"]["scheduler"])
         restore_rng(state["train"])
         start_step, untrained = state["train"]["step"], state["train"]["untrained"]
-        if is_main:
-            tqdm.write(f"resuming from {checkpoints[-1]}")
+
+    start_step, untrained = 0, None
+    if args.resume and (resumed_from := load_newest(output_dir, load_checkpoint)) and is_main:
+        tqdm.write(f"resuming from {resumed_from}")
 
     # Data: tokenized once and cached; every optimiser step gets one global batch.
     cache_dir = Path(args.data_dir) / "tokenized"
@@ -143,24 +150,34 @@ def main():
         optimizer.zero_grad(set_to_none=True)
 
         elapsed, data_wait = timer.finish()
-        tokens = step_tokens.item()
-        record = {"step": step + 1, "loss": step_loss.item() / tokens, "lr": scheduler.get_last_lr()[0],
-                  "grad_norm": grad_norm.item(), "tokens": int(tokens), "tokens_per_s": tokens / elapsed,
+        tokens, loss_total, grad_norm = torch.stack([step_tokens, step_loss, grad_norm]).tolist()  # one sync
+        stop_if_not_finite(loss_total, step + 1, output_dir)  # the same verdict on every rank
+        record = {"step": step + 1, "loss": loss_total / tokens, "lr": scheduler.get_last_lr()[0],
+                  "grad_norm": grad_norm, "tokens": int(tokens), "tokens_per_s": tokens / elapsed,
                   "tokens_per_s_per_device": tokens / elapsed / world_size, "step_time_s": elapsed,
                   "data_wait_s": data_wait, "world_size": world_size,
                   "gradient_accumulation_steps": args.gradient_accumulation_steps,
-                  "batch_size_per_device": args.batch_size_per_device, **peak_memory(device)}
+                  "batch_size_per_device": args.batch_size_per_device, **peak_memory(device),
+                  **model_flops_utilization(tokens / elapsed / world_size, model_flops, device)}
+        preempted = preemption.requested()
         if (args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.max_steps:
             record.update(evaluate())
             if is_main:
                     tqdm.write(f"step {step + 1}: eval_loss={record['eval_loss']:.4f} "
                            f"legal_move_rate={record['legal_move_rate']:.3f}")
-        if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.max_steps:
+        if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.max_steps or preempted:
             saving = time.perf_counter()
             save_checkpoint(step + 1)
             record["checkpoint_save_s"] = time.perf_counter() - saving
         metrics.write(record)
         progress.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
+        if preempted and step + 1 < args.max_steps:
+            metrics.close()
+            if is_main:
+                tqdm.write(f"preempted: saved a checkpoint at step {step + 1} in {output_dir}; "
+                           "continue with --resume")
+            dist.destroy_process_group()
+            return
     metrics.close()
 
     # The final model in Hugging Face format: every rank has the same weights, rank 0 writes them.

@@ -5,12 +5,18 @@ writes its shards with torch.distributed.checkpoint), into OUTPUT_DIR/checkpoint
 A checkpoint counts only once its COMPLETE marker exists, and the marker is written last: a job
 killed in the middle of a save leaves a folder without a marker, which resume ignores.
 """
+import math
 import os
+import pickle
 import random
 import shutil
+import sys
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+from common.errors import UserError
 
 MARKER = "COMPLETE"
 TRAIN_STATE = "train_state.pt"  # step, LR schedule, RNG: small, written by one rank
@@ -25,6 +31,38 @@ def complete_checkpoints(output_dir):
     root = Path(output_dir) / "checkpoints"
     found = [path for path in root.glob("step-*") if (path / MARKER).is_file()] if root.is_dir() else []
     return sorted(found, key=lambda path: int(path.name.removeprefix("step-")))
+
+
+def load_newest(output_dir, load):
+    """Resume: call `load(path)` on the newest complete checkpoint that can be read, and return
+    that path (None when there is none: a fresh start). A damaged one (a file truncated or
+    corrupted on disk after it was completed) is reported and the previous one used instead.
+    Every rank must reach the same verdict: they all read the same files, and DCP raises on all
+    ranks when one of them fails."""
+    checkpoints = complete_checkpoints(output_dir)
+    for path in reversed(checkpoints):
+        try:
+            load(path)
+            return path
+        except (OSError, RuntimeError, ValueError, KeyError, EOFError, pickle.UnpicklingError,
+                CheckpointException) as err:
+            reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+            print(f"warning: checkpoint {path} is unreadable ({reason}): falling back to the previous one",
+                  file=sys.stderr, flush=True)
+    if checkpoints:
+        raise UserError(f"none of the {len(checkpoints)} complete checkpoints in {output_dir}/checkpoints can "
+                        "be read: start afresh with --overwrite (or restore them from a backup)")
+    return None
+
+
+def stop_if_not_finite(loss, step, output_dir):
+    """A NaN or infinite loss poisons the weights from this step on: stop before anything is saved."""
+    if math.isfinite(loss):
+        return
+    checkpoints = complete_checkpoints(output_dir)
+    last_good = f"the last good checkpoint is {checkpoints[-1]}" if checkpoints else "no checkpoint was saved yet"
+    raise UserError(f"loss is {loss} at step {step}: stopped without saving this step ({last_good}). "
+                    "Lower --learning_rate (or check the data and model files), then continue with --resume")
 
 
 def prepare(path):

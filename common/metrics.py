@@ -53,6 +53,30 @@ def peak_memory(device):
     return figures
 
 
+# Dense bf16 peak of one GPU, FLOP/s, from the vendors' data sheets (without sparsity).
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+
+
+def flops_per_token(model, seq_len):
+    """Training FLOPs per token, as PaLM (appendix B) and torchtitan count them:
+    6 × parameters (2 in forward, 4 in backward, one multiply-add = 2 FLOPs per weight), leaving
+    out the input embedding (a table lookup, no matmul), plus attention's scores and weighted
+    sum, 12 × layers × hidden × seq_len. Recomputation for activation checkpointing is not
+    counted: MFU measures useful work."""
+    config = model.config
+    params = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    return 6 * params + 12 * config.num_hidden_layers * config.hidden_size * seq_len
+
+
+def model_flops_utilization(tokens_per_s_per_device, flops_per_token, device):
+    """{"mfu": achieved / peak FLOP/s} on a GPU whose peak we know; {} elsewhere (CPU, other GPUs)."""
+    if device.type != "cuda":
+        return {}
+    name = torch.cuda.get_device_name(device)
+    peak = next((flops for gpu, flops in PEAK_BF16_FLOPS.items() if gpu in name), None)
+    return {"mfu": round(tokens_per_s_per_device * flops_per_token / peak, 4)} if peak else {}
+
+
 class StepTimer:
     """Wall time of a step, split into waiting for data and the rest (compute + communication)."""
 

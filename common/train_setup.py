@@ -56,6 +56,8 @@ def training_arguments(description):
              help="continue from the newest complete checkpoint in --output_dir (start afresh if none)")
     add_flag(parser, "overwrite", action="store_true",
              help="replace the run in --output_dir (its metrics and checkpoints are deleted)")
+    add_flag(parser, "trust_remote_code", action="store_true",
+             help="let the model directory run its own Python code (off: only transformers' own classes load)")
     add_flag(parser, "report_to", default="none",
              help="also track in: none, or a comma-separated list of tensorboard, mlflow, wandb")
     return parser
@@ -115,10 +117,10 @@ def seed_everything(seed):
     torch.manual_seed(seed)
 
 
-def load_tokenizer(name):
+def load_tokenizer(name, trust_remote_code=False):
     from transformers import AutoTokenizer
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
         raise UserError(model_missing_message(name, err)) from None
     if tokenizer.pad_token_id is None:  # Llama tokenizers have none; padding is masked out anyway
@@ -126,12 +128,14 @@ def load_tokenizer(name):
     return tokenizer
 
 
-def load_model(name, **kwargs):
+def load_model(name, trust_remote_code=False, **kwargs):
     """The same Hugging Face path for CodeLlama-7b and the demo model: AutoModelForCausalLM.
-    Weights stay fp32 here: mixed precision is applied per step, never by casting the model."""
+    Weights stay fp32 here: mixed precision is applied per step, never by casting the model.
+    Code shipped inside a model directory runs only with --trust_remote_code."""
     from transformers import AutoModelForCausalLM
     try:
-        return AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, **kwargs)
+        return AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, trust_remote_code=trust_remote_code,
+                                                    **kwargs)
     except (OSError, ValueError, RuntimeError) as err:
         raise UserError(model_missing_message(name, err)) from None
 

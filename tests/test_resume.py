@@ -1,6 +1,7 @@
-"""Exact resume: a run killed mid-way and resumed with --resume ends where an uninterrupted run
-ends (same per-step losses, same final weights), in all three steps. FSDP also resumes on a
-different number of ranks, since its checkpoint does not depend on the world size."""
+"""Exact resume: a run killed mid-way, or stopped by a preemption warning (SIGUSR2), and resumed
+with --resume ends where an uninterrupted run ends (same per-step losses, same final weights),
+in all three steps. FSDP also resumes on a different number of ranks, since its checkpoint does
+not depend on the world size."""
 import os
 import signal
 import subprocess
@@ -16,13 +17,17 @@ STEPS = 6
 RUN = ["--max_steps", STEPS, "--save_every", 2, "--keep_checkpoints", 2]
 
 
-def launch(step, args, nproc):
+def command(step, args, nproc):
     if step == "single":
-        command = [sys.executable, str(STEP_SCRIPTS[step])]
+        launcher = [sys.executable, str(STEP_SCRIPTS[step])]
     else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                   str(STEP_SCRIPTS[step])]
-    return subprocess.Popen(command + [str(a) for a in args], cwd=REPO, start_new_session=True,
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                    str(STEP_SCRIPTS[step])]
+    return launcher + [str(a) for a in args]
+
+
+def launch(step, args, nproc):
+    return subprocess.Popen(command(step, args, nproc), cwd=REPO, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
 
@@ -44,14 +49,29 @@ def kill_after_first_checkpoint(step, args, nproc, output_dir, timeout=300):
     assert len(read_metrics(output_dir)) < STEPS, "killed too late to test anything"
 
 
-@pytest.mark.parametrize("step, nproc, split", [
-    ("single", 1, ["--batch_size_per_device", 2, "--gradient_accumulation_steps", 4]),
-    ("ddp", 2, ["--batch_size_per_device", 2, "--gradient_accumulation_steps", 2]),
-    ("fsdp", 2, ["--batch_size_per_device", 2, "--gradient_accumulation_steps", 2]),
-])
-def test_killed_and_resumed_run_equals_uninterrupted_run(demo, tmp_path, step, nproc, split):
-    reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
-    run_step(step, demo_args(demo, reference) + RUN + split, nproc=nproc)
+SPLITS = {"single": (1, ["--batch_size_per_device", 2, "--gradient_accumulation_steps", 4]),
+          "ddp": (2, ["--batch_size_per_device", 2, "--gradient_accumulation_steps", 2]),
+          "fsdp": (2, ["--batch_size_per_device", 2, "--gradient_accumulation_steps", 2])}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(demo, tmp_path_factory):
+    """The uninterrupted run of each step, made once for this module's tests."""
+    runs = {}
+
+    def run(step):
+        if step not in runs:
+            nproc, split = SPLITS[step]
+            runs[step] = tmp_path_factory.mktemp(f"uninterrupted-{step}")
+            run_step(step, demo_args(demo, runs[step]) + RUN + split, nproc=nproc)
+        return runs[step]
+    return run
+
+
+@pytest.mark.parametrize("step", SPLITS)
+def test_killed_and_resumed_run_equals_uninterrupted_run(demo, tmp_path, uninterrupted, step):
+    nproc, split = SPLITS[step]
+    reference, interrupted = uninterrupted(step), tmp_path / "interrupted"
     kill_after_first_checkpoint(step, demo_args(demo, interrupted) + RUN + split, nproc, interrupted)
     result = run_step(step, demo_args(demo, interrupted) + RUN + split + ["--resume"], nproc=nproc)
     assert "resuming from" in result.stderr + result.stdout
@@ -60,12 +80,36 @@ def test_killed_and_resumed_run_equals_uninterrupted_run(demo, tmp_path, step, n
     assert kept == ["step-000004", "step-000006"], kept
 
 
-def test_fsdp_resumes_on_more_ranks(demo, tmp_path):
+@pytest.mark.parametrize("step", SPLITS)
+def test_preemption_signal_saves_exits_cleanly_and_resumes_exactly(demo, tmp_path, uninterrupted, step):
+    """SIGUSR2 to one process only (the last rank): every rank stops at the same step boundary,
+    a checkpoint is saved, the run exits 0, and --resume finishes it as if nothing happened."""
+    nproc, split = SPLITS[step]
+    preempted = tmp_path / "preempted"
+    args = demo_args(demo, preempted) + ["--max_steps", STEPS, "--keep_checkpoints", 2] + split
+    process = subprocess.Popen(command(step, args, nproc), cwd=REPO, text=True, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 300
+    while not (preempted / "metrics.jsonl").exists() or not read_metrics(preempted):
+        assert process.poll() is None and time.time() < deadline, "no training step in time"
+        time.sleep(0.05)
+    ranks = [p for p in psutil.Process(process.pid).children(recursive=True) if "train.py" in " ".join(p.cmdline())]
+    (ranks or [psutil.Process(process.pid)])[-1].send_signal(signal.SIGUSR2)
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, output[-3000:]
+    stopped_at = len(read_metrics(preempted))
+    assert stopped_at < STEPS, "the signal came too late to test anything"
+    assert f"preempted: saved a checkpoint at step {stopped_at}" in output
+    assert not (preempted / "final").exists()
+    run_step(step, args + ["--resume"], nproc=nproc)
+    assert_same_run(uninterrupted(step), preempted, tolerance=1e-6)
+
+
+def test_fsdp_resumes_on_more_ranks(demo, tmp_path, uninterrupted):
     """Saved on 2 ranks, resumed on 4: DCP reshards. Same global batch (8 rows), so the losses
     match the uninterrupted 2-rank run to float rounding."""
-    reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
-    two_ranks = ["--batch_size_per_device", 2, "--gradient_accumulation_steps", 2]
-    run_step("fsdp", demo_args(demo, reference) + RUN + two_ranks, nproc=2)
+    reference, interrupted = uninterrupted("fsdp"), tmp_path / "interrupted"
+    two_ranks = SPLITS["fsdp"][1]
     kill_after_first_checkpoint("fsdp", demo_args(demo, interrupted) + RUN + two_ranks, 2, interrupted)
     four_ranks = ["--batch_size_per_device", 2, "--gradient_accumulation_steps", 1, "--resume"]
     run_step("fsdp", demo_args(demo, interrupted) + RUN + four_ranks, nproc=4)
