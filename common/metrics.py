@@ -106,16 +106,29 @@ def write_summary(output_dir, name, records, untrained, peaks_per_rank):
         return {}
     timed = records[1:] or records
     last = records[-1]
+    step_time = sum(r["step_time_s"] for r in timed)
+    tokens_per_s = sum(r["tokens"] for r in timed) / step_time
     summary = {
         "run": name,
         "world_size": last["world_size"],
         "steps": last["step"],
         "final_loss": round(last["loss"], 4),
         "eval_loss": round(last["eval_loss"], 4),
-        "tokens_per_s": round(sum(r["tokens"] for r in timed) / sum(r["step_time_s"] for r in timed), 1),
+        "tokens_per_s": round(tokens_per_s, 1),
+        "tokens_per_s_per_device": round(tokens_per_s / last["world_size"], 1),
+        "step_time_s": round(step_time / len(timed), 4),
+        "data_wait_share": round(sum(r["data_wait_s"] for r in timed) / step_time, 4),
         "peak_rss_mib_per_rank": max(p["peak_rss_mib"] for p in peaks_per_rank),
         "legal_move_rate_untrained": round(untrained["legal_move_rate"], 3),
         "legal_move_rate": round(last["legal_move_rate"], 3),
     }
+    for key in ("peak_gpu_allocated_mib", "peak_gpu_reserved_mib"):
+        if key in peaks_per_rank[0]:
+            summary[f"{key}_per_rank"] = max(p[key] for p in peaks_per_rank)
+    if "mfu" in last:
+        summary["mfu"] = round(sum(r["mfu"] for r in timed) / len(timed), 4)
+    saves = [r["checkpoint_save_s"] for r in records if "checkpoint_save_s" in r]
+    if saves:
+        summary["checkpoint_save_s_max"] = round(max(saves), 3)
     (Path(output_dir) / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
