@@ -150,8 +150,9 @@ def model_missing_message(name, err):
 
 
 def make_optimizer(model, args):
-    return torch.optim.AdamW(model.parameters(), lr=args.learning_rate, betas=(0.9, 0.95),
-                             weight_decay=args.weight_decay)
+    """AdamW over the trainable parameters only (with LoRA: the adapters, not the frozen model)."""
+    trainable = [param for param in model.parameters() if param.requires_grad]
+    return torch.optim.AdamW(trainable, lr=args.learning_rate, betas=(0.9, 0.95), weight_decay=args.weight_decay)
 
 
 def make_scheduler(optimizer, args):
