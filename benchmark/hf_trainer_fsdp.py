@@ -1,0 +1,143 @@
+"""The peer baseline: the same fine-tuning with the Hugging Face Trainer and FSDP, set up the way
+the AWS SageMaker examples do it (Trainer(fsdp="full_shard auto_wrap", fsdp_config with
+transformer_layer_cls_to_wrap), launched with torchrun).
+
+    torchrun --nproc-per-node 2 benchmark/hf_trainer_fsdp.py --output_dir runs/hf_trainer
+
+Same model, same token rows (common.data, packed), same global batch, AdamW settings and
+schedule as 04_fsdp. It writes metrics.jsonl and summary.json with the same fields as the
+step scripts, so benchmark/run.py reads both the same way. Tokens are counted the same way
+too: loss-bearing tokens only (non-padding tokens minus each row's first, which nothing predicts).
+"""
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared `common` package
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from common.data import load_rows  # noqa: E402
+from common.errors import exit_on_user_error  # noqa: E402
+from common.train_setup import DEMO_DIR, add_flag, load_model, load_tokenizer  # noqa: E402
+
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin  # noqa: E402
+from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+
+
+def parse_arguments():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_flag(parser, "model", default=str(DEMO_DIR / "model"))
+    add_flag(parser, "data_dir", default=str(DEMO_DIR / "data"))
+    add_flag(parser, "output_dir", required=True)
+    add_flag(parser, "batch_size_per_device", type=int, default=4)
+    add_flag(parser, "gradient_accumulation_steps", type=int, default=1)
+    add_flag(parser, "max_steps", type=int, default=100)
+    add_flag(parser, "learning_rate", type=float, default=1e-3)
+    add_flag(parser, "max_seq_length", type=int, default=256)
+    add_flag(parser, "seed", type=int, default=0)
+    return parser.parse_args()
+
+
+def main():
+    args = parse_arguments()
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    output_dir = Path(args.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = load_tokenizer(args.model)
+    model = load_model(args.model)
+    rows, _ = load_rows(Path(args.data_dir) / "train.jsonl", tokenizer, args.max_seq_length,
+                        True, Path(args.data_dir) / "tokenized")  # packed, as the step scripts by default
+    dataset = [{"input_ids": row, "labels": row, "attention_mask": torch.ones_like(row)} for row in rows]
+
+    training = TrainingArguments(
+        output_dir=str(output_dir / "trainer"), use_cpu=not torch.cuda.is_available(),
+        per_device_train_batch_size=args.batch_size_per_device,
+        gradient_accumulation_steps=args.gradient_accumulation_steps, max_steps=args.max_steps,
+        # the step scripts' optimiser and schedule: AdamW (0.9, 0.95), clip at 1, 10% linear
+        # warm-up, cosine decay to 10% of the peak
+        learning_rate=args.learning_rate, adam_beta1=0.9, adam_beta2=0.95, weight_decay=0.0,
+        max_grad_norm=1.0, optim="adamw_torch", warmup_steps=max(1, args.max_steps // 10),
+        lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": 0.1},
+        bf16=torch.cuda.is_available(), seed=args.seed, data_seed=args.seed,
+        logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
+        include_num_input_tokens_seen="non_padding",  # counted by the Trainer itself, over all ranks
+        # As the SageMaker examples: FSDP through accelerate, one unit per decoder layer.
+        # transformers 5 runs FSDP2 (fully_shard) by default; "full_shard" = reshard after forward.
+        fsdp="full_shard auto_wrap", fsdp_config={"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
+    clock = StepClock(args.batch_size_per_device * args.gradient_accumulation_steps * world_size)
+    trainer = CpuFsdpTrainer(model=model, args=training, train_dataset=dataset, callbacks=[clock])
+    trainer.train()
+
+    peaks = [None] * world_size
+    dist.all_gather_object(peaks, {"peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)})
+    if trainer.is_world_process_zero():
+        records = clock.records(world_size)
+        with (output_dir / "metrics.jsonl").open("w") as out:
+            out.writelines(json.dumps(record) + "\n" for record in records)
+        timed = records[1:] or records  # as the step scripts: leave out step 1 (start-up costs)
+        tokens_per_s = sum(r["tokens"] for r in timed) / sum(r["step_time_s"] for r in timed)
+        summary = {"run": "hf_trainer_fsdp", "world_size": world_size, "steps": records[-1]["step"],
+                   "final_loss": round(records[-1]["loss"], 4), "tokens_per_s": round(tokens_per_s, 1),
+                   "tokens_per_s_per_device": round(tokens_per_s / world_size, 1),
+                   "step_time_s": round(sum(r["step_time_s"] for r in timed) / len(timed), 4),
+                   "peak_rss_mib_per_rank": max(p["peak_rss_mib"] for p in peaks),
+                   "wrapped_as": type(trainer.model_wrapped).__name__}  # FSDP2 names its class FSDP<model class>
+        (output_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        print("hf_trainer_fsdp: " + "  ".join(f"{k}={v}" for k, v in summary.items()), flush=True)
+
+
+class CpuFsdpTrainer(Trainer):
+    """The Trainer, with FSDP also on the CPU. accelerate 1.15 turns an FSDP plugin on only for
+    accelerators (state.py: MULTI_CPU never becomes FSDP), so on the CPU Trainer(fsdp=...) would
+    silently train with DDP instead. On a GPU this class changes nothing."""
+
+    def create_accelerator_and_postprocess(self):
+        super().create_accelerator_and_postprocess()
+        state = self.accelerator.state
+        if state.distributed_type == DistributedType.MULTI_CPU and self.args.fsdp_plugin_args is not None:
+            state.distributed_type = DistributedType.FSDP
+            state.fsdp_plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
+            self.is_fsdp_enabled = True
+
+
+class StepClock(TrainerCallback):
+    """Wall time from one optimiser step's end to the next (data, forward, backward, step, the
+    Trainer's own bookkeeping), the tokens of each step, and the logged loss."""
+
+    def __init__(self, rows_per_step):
+        self.rows_per_step = rows_per_step
+        self.ends, self.tokens_seen, self.losses = [], [], {}
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.ends, self.tokens_seen = [time.perf_counter()], [state.num_input_tokens_seen]
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.ends.append(time.perf_counter())
+        self.tokens_seen.append(state.num_input_tokens_seen)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self.losses[state.global_step] = logs["loss"]
+
+    def records(self, world_size):
+        records = []
+        for step in range(1, len(self.ends)):
+            elapsed = self.ends[step] - self.ends[step - 1]
+            # non-padding input tokens, minus each row's first token: the loss-bearing ones
+            tokens = self.tokens_seen[step] - self.tokens_seen[step - 1] - self.rows_per_step
+            records.append({"step": step, "loss": self.losses.get(step), "tokens": tokens,
+                            "tokens_per_s": tokens / elapsed, "tokens_per_s_per_device": tokens / elapsed / world_size,
+                            "step_time_s": elapsed, "world_size": world_size})
+        return records
+
+
+if __name__ == "__main__":
+    exit_on_user_error(main)
