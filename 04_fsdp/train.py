@@ -20,7 +20,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,  # noqa: E402
-                                                     get_state_dict, set_state_dict)
+                                                     get_state_dict, set_model_state_dict, set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard  # noqa: E402
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # noqa: E402
@@ -34,8 +34,8 @@ from common.errors import UserError, exit_on_user_error  # noqa: E402
 from common.metrics import (MetricsLog, StepTimer, peak_memory, print_summary, run_params,  # noqa: E402
                             write_summary)
 from common.train_setup import (add_flag, check_arguments, enable_gradient_checkpointing, load_model,  # noqa: E402
-                                load_tokenizer, make_optimizer, make_scheduler, pick_device,
-                                seed_everything, training_arguments)
+                                load_tokenizer, make_optimizer, make_scheduler, model_missing_message,
+                                pick_device, seed_everything, training_arguments)
 
 
 # The sharding strategies users know from FSDP1 (and DeepSpeed), expressed in FSDP2:
@@ -64,12 +64,101 @@ def build_mesh(strategy, device_type, world_size, shard_group_size):
 def shard_model(model, mesh, strategy, mp_policy, offload_policy):
     """FSDP by hand, bottom-up: every decoder layer becomes one unit whose weights are
     all-gathered just before it runs and freed right after; then the root takes what is left
-    (embeddings, final norm, lm_head). One unit for the whole model would gather it all at once."""
+    (embeddings, final norm, lm_head). One unit for the whole model would gather it all at once.
+    With LoRA a unit holds frozen base weights and trainable adapters alike; FSDP2 shards both."""
     options = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy,
                    reshard_after_forward=strategy != "SHARD_GRAD_OP")
-    for layer in model.model.layers:
+    transformer = model.get_base_model() if hasattr(model, "peft_config") else model  # under peft's wrapper
+    for layer in transformer.model.layers:
         fully_shard(layer, **options)
     fully_shard(model, **options)
+
+
+def add_lora(model, args):
+    """LoRA: freeze every weight and add a trainable low-rank update B·A (rank r, scaled by
+    alpha/r) beside each target linear layer. B starts at zero, so training starts from the model."""
+    from peft import LoraConfig, get_peft_model
+    config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0, task_type="CAUSAL_LM",
+                        target_modules=[name.strip() for name in args.lora_target_modules.split(",") if name.strip()])
+    return get_peft_model(model, config)
+
+
+def load_config(name, trust_remote_code):
+    from transformers import AutoConfig
+    try:
+        return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise UserError(model_missing_message(name, err)) from None
+
+
+def load_sharded_model(args, rank, device, shard):
+    """Low host-memory loading. Loading the model on every rank would put N full copies in each
+    node's host memory (8 × 27 GB for a 7B model in fp32). Instead every rank builds the model on
+    the meta device (shapes, no memory) and shards it; only rank 0 reads the weights (or, with
+    --random_init, draws them), and sends them to the others one tensor at a time; each rank keeps
+    only its own shard of each."""
+    from transformers import AutoModelForCausalLM
+    config = load_config(args.model, args.trust_remote_code)
+
+    def prepare(model):  # the same structure on every rank, real or meta
+        if args.gradient_checkpointing:
+            enable_gradient_checkpointing(model)  # before sharding, so FSDP's hooks stay outside it
+        return add_lora(model, args) if args.lora else model
+
+    full_model = None
+    if rank == 0:
+        full_model = prepare(AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                              trust_remote_code=args.trust_remote_code)
+                             if args.random_init else load_model(args.model, args.trust_remote_code))
+    with torch.device("meta"):
+        model = prepare(AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                         trust_remote_code=args.trust_remote_code))
+    shard(model)
+    model.to_empty(device=device)  # memory for this rank's shards only, uninitialised
+    set_model_state_dict(model, full_model.state_dict() if rank == 0 else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    # Buffers outside the state dict (RoPE's inv_freq) are garbage after to_empty: take rank 0's.
+    reference = dict(full_model.named_buffers()) if rank == 0 else {}
+    for module_name, module in model.named_modules():
+        for name in module._non_persistent_buffers_set:
+            buffer = getattr(module, name)
+            buffer = (reference[f"{module_name}.{name}"] if rank == 0 else torch.empty_like(buffer)).to(device)
+            dist.broadcast(buffer, src=0)
+            module.register_buffer(name, buffer, persistent=False)
+    return model
+
+
+def load_qlora_model(args, device, shard):
+    """QLoRA: the frozen base weights stored in 4 bits (NF4, bitsandbytes), computed in bf16, with
+    LoRA adapters on top. Every rank loads the quantized model straight onto its own GPU (4-bit
+    weights are a quarter of the bf16 size), so there is nothing to broadcast. The 4-bit weights are
+    stored as bf16 elements (bnb_4bit_quant_storage) so that FSDP can shard them like the rest."""
+    from peft import prepare_model_for_kbit_training
+    from transformers import BitsAndBytesConfig
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                      bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)
+    model = load_model(args.model, args.trust_remote_code, quantization_config=quantization,
+                       device_map={"": device})
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.gradient_checkpointing,
+                                            gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = add_lora(model, args)
+    shard(model)
+    return model
+
+
+def check_fsdp_arguments(args):
+    if args.qlora:
+        if args.random_init:
+            raise UserError("--qlora quantizes real weights: drop --random_init")
+        if args.device == "cpu" or not torch.cuda.is_available():
+            raise UserError("--qlora needs a CUDA GPU (bitsandbytes' 4-bit kernels): use --lora on the CPU")
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError:
+            raise UserError("--qlora needs bitsandbytes: `pip install bitsandbytes` on the GPU nodes") from None
+        args.lora = True  # QLoRA is LoRA over a quantized base
+    if args.lora and (args.lora_rank < 1 or args.lora_alpha <= 0 or not args.lora_target_modules.strip(", ")):
+        raise UserError("--lora needs --lora_rank >= 1, --lora_alpha > 0 and at least one --lora_target_modules")
 
 
 def parse_arguments():
@@ -81,12 +170,22 @@ def parse_arguments():
              help="compute dtype of the layers (default: bf16 on GPU, fp32 on CPU); weights and AdamW stay fp32")
     add_flag(parser, "cpu_offload", action="store_true",
              help="keep sharded weights, gradients and optimizer state in CPU memory; the optimizer steps there")
+    add_flag(parser, "random_init", action="store_true",
+             help="random weights from --model's config.json (no weight files needed: benchmarks)")
+    add_flag(parser, "lora", action="store_true", help="train LoRA adapters (peft) instead of all weights")
+    add_flag(parser, "lora_rank", type=int, default=16, help="LoRA: rank r of the update B·A")
+    add_flag(parser, "lora_alpha", type=float, default=32.0, help="LoRA: the update is scaled by alpha / r")
+    add_flag(parser, "lora_target_modules", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+             help="LoRA: comma-separated names of the linear layers that get adapters")
+    add_flag(parser, "qlora", action="store_true",
+             help="LoRA over a 4-bit (NF4) base model; needs a GPU and bitsandbytes")
     return parser.parse_args()
 
 
 def main():
     args = parse_arguments()
     check_arguments(args)
+    check_fsdp_arguments(args)
     seed_everything(args.seed)
     # torchrun starts one process per GPU and tells each who it is.
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -99,16 +198,16 @@ def main():
     # Model: fp32 weights, sharded. FSDP itself runs the layers in bf16 or fp16 and reduces the
     # gradients in fp32 (MixedPrecisionPolicy); the sharded weights and AdamW's state stay fp32.
     # Never cast the model to bf16 before sharding: AdamW would then keep bf16 state.
-    tokenizer = load_tokenizer(args.model)
-    model = load_model(args.model).to(device)
-    if args.gradient_checkpointing:
-        enable_gradient_checkpointing(model)  # before sharding, so FSDP's hooks stay outside it
+    tokenizer = load_tokenizer(args.model, args.trust_remote_code)
     precision = args.precision or ("bf16" if device.type == "cuda" else "fp32")
     mesh = build_mesh(args.sharding_strategy, device.type, world_size,
                       args.shard_group_size or int(os.environ["LOCAL_WORLD_SIZE"]))
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if args.cpu_offload else OffloadPolicy()
-    shard_model(model, mesh, args.sharding_strategy,
-                MixedPrecisionPolicy(param_dtype=PRECISIONS[precision], reduce_dtype=torch.float32), offload)
+    mp_policy = MixedPrecisionPolicy(param_dtype=PRECISIONS[precision], reduce_dtype=torch.float32)
+
+    def shard(model):
+        shard_model(model, mesh, args.sharding_strategy, mp_policy, offload)
+    model = load_qlora_model(args, device, shard) if args.qlora else load_sharded_model(args, rank, device, shard)
     autocast = nullcontext()  # FSDP casts the weights; no autocast on top
     # fp16 overflows where bf16 does not: scale the loss up, and skip steps whose gradients hit
     # inf. The sharded scaler agrees on "inf found" across ranks. bf16 and fp32 need no scaler.
@@ -119,26 +218,36 @@ def main():
 
     # Checkpoints: no rank holds the whole model, so every rank writes its own shards
     # (torch.distributed.checkpoint). The files don't depend on the world size: a run saved on
-    # 2 ranks resumes on 4, each rank reading the pieces of its new shards.
+    # 2 ranks resumes on 4, each rank reading the pieces of its new shards. With LoRA only the
+    # adapters are saved: the frozen weights are those of --model (so loading them back leaves
+    # the model's other entries alone: strict=False). Rank 0 adds the config and tokenizer, so
+    # that 04_fsdp/export.py can turn a checkpoint into a Hugging Face model.
+    state_options = StateDictOptions(ignore_frozen_params=args.lora, strict=not args.lora)
+
     def save_checkpoint(step):
         path = checkpoint_dir(output_dir, step)
         if is_main:
             prepare(path)
         dist.barrier()
-        model_state, optimizer_state = get_state_dict(model, optimizer)
+        model_state, optimizer_state = get_state_dict(model, optimizer, options=state_options)
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
         if is_main:  # dcp.save has returned on every rank: all shards are on disk
             torch.save(train_state(step, scheduler, {"untrained": untrained, "scaler": scaler.state_dict()}),
                        path / TRAIN_STATE)
+            model.config.save_pretrained(path)
+            tokenizer.save_pretrained(path)
+            if args.lora:
+                model.peft_config["default"].save_pretrained(path)
             mark_complete(path, args.keep_checkpoints)
         dist.barrier()
 
     start_step, untrained = 0, None
     if args.resume and (checkpoints := complete_checkpoints(output_dir)):
-        model_state, optimizer_state = get_state_dict(model, optimizer)
+        model_state, optimizer_state = get_state_dict(model, optimizer, options=state_options)
         state = {"model": model_state, "optimizer": optimizer_state}
         dcp.load(state, checkpoint_id=checkpoints[-1])  # each rank reads what its shards need
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=state_options)
         train = load_file(checkpoints[-1] / TRAIN_STATE)
         scheduler.load_state_dict(train["scheduler"])
         scaler.load_state_dict(train["scaler"])
@@ -236,7 +345,9 @@ def main():
 
     # The final model in Hugging Face format. Each rank holds only shards, so gather the full
     # weights (to CPU, on rank 0 only; the other ranks get an empty dict) and let rank 0 write them.
-    full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # With LoRA, final/ holds the adapters in peft's format (load them over --model).
+    full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                      ignore_frozen_params=args.lora))
     peaks = [None] * world_size
     dist.all_gather_object(peaks, peak_memory(device))
     if is_main:

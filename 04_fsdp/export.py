@@ -1,0 +1,85 @@
+"""Turn a checkpoint of 04_fsdp/train.py into a Hugging Face model (safetensors + tokenizer).
+
+    python 04_fsdp/export.py runs/fsdp/checkpoints/step-000200 runs/fsdp/step-200-hf
+
+A checkpoint is sharded: each rank wrote its own pieces (torch.distributed.checkpoint). This
+reads all the pieces in one process (no torchrun, no GPU), puts the full tensors together and
+writes them with save_pretrained, so that AutoModelForCausalLM.from_pretrained(OUT_DIR) loads
+them without this kit. The checkpoint folder also holds the run's config.json and tokenizer.
+"""
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared `common` package
+
+import torch  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # noqa: E402
+
+from common.checkpoint import MARKER  # noqa: E402
+from common.errors import UserError, exit_on_user_error  # noqa: E402
+
+
+def check_paths(checkpoint, out_dir):
+    if not checkpoint.is_dir():
+        raise UserError(f"no checkpoint at {checkpoint}: pass a folder OUTPUT_DIR/checkpoints/step-NNNNNN")
+    if not (checkpoint / MARKER).is_file():
+        raise UserError(f"{checkpoint} is not a complete checkpoint (no {MARKER} marker: its save was "
+                        "interrupted): choose an older one")
+    if (checkpoint / "adapter_config.json").is_file():
+        raise UserError(f"{checkpoint} holds LoRA adapters only: the run's final/ folder has them in peft's "
+                        "format; load them over the base model with peft.PeftModel.from_pretrained")
+    if not (checkpoint / ".metadata").is_file() or not (checkpoint / "config.json").is_file():
+        raise UserError(f"{checkpoint} is not a checkpoint of 04_fsdp/train.py (no .metadata or config.json)")
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise UserError(f"{out_dir} already exists and is not empty: choose a new OUT_DIR")
+
+
+def load_model_weights(checkpoint):
+    """The full model tensors of a DCP checkpoint, named as in the model's state dict."""
+    metadata = dcp.FileSystemReader(checkpoint).read_metadata()
+    # The checkpoint holds {"model": ..., "optimizer": ...}; allocate full-size tensors for the
+    # model's entries and let DCP fill them from every rank's pieces.
+    state = {key.removeprefix("model."): torch.empty(entry.size, dtype=entry.properties.dtype)
+             for key, entry in metadata.state_dict_metadata.items()
+             if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)}
+    dcp.load({"model": state}, checkpoint_id=checkpoint, no_dist=True)  # one process reads every rank's pieces
+    return state
+
+
+def export(checkpoint, out_dir):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    weights = load_model_weights(checkpoint)
+    config = AutoConfig.from_pretrained(checkpoint)
+    with torch.device("meta"):  # only the structure: save_pretrained writes `weights`
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing = set(model.state_dict()) - set(weights)
+    if missing:
+        raise UserError(f"{checkpoint} lacks {len(missing)} of the model's weights (e.g. {sorted(missing)[0]}): "
+                        "it does not match its config.json")
+    # Write next to OUT_DIR, then rename: an interrupted export leaves no half-written model.
+    partial = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial, state_dict=weights, safe_serialization=True)
+    AutoTokenizer.from_pretrained(checkpoint).save_pretrained(partial)
+    if out_dir.exists():
+        out_dir.rmdir()  # empty, checked above
+    os.replace(partial, out_dir)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", type=Path, help="a complete checkpoint: OUTPUT_DIR/checkpoints/step-NNNNNN")
+    parser.add_argument("out_dir", type=Path, help="new (or empty) folder for the Hugging Face model")
+    args = parser.parse_args()
+    check_paths(args.checkpoint, args.out_dir)
+    export(args.checkpoint, args.out_dir)
+    print(f"exported {args.checkpoint} to {args.out_dir}: "
+          f"AutoModelForCausalLM.from_pretrained({str(args.out_dir)!r}) loads it")
+
+
+if __name__ == "__main__":
+    exit_on_user_error(main)

@@ -1,0 +1,64 @@
+"""04_fsdp/export.py: a sharded checkpoint becomes a Hugging Face model, in one plain process;
+incomplete checkpoints and occupied output folders are refused."""
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, demo_args, run_step
+
+EXPORT = REPO / "04_fsdp/export.py"
+
+
+def export(checkpoint, out_dir):
+    return subprocess.run([sys.executable, str(EXPORT), str(checkpoint), str(out_dir)],
+                          capture_output=True, text=True, cwd=REPO, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(demo, tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp_export")
+    run_step("fsdp", demo_args(demo, out) + ["--max_steps", 4, "--save_every", 2], nproc=2)
+    return out
+
+
+def test_export_equals_the_final_model_and_loads_without_the_kit(fsdp_run, tmp_path):
+    from safetensors.torch import load_file
+    out = tmp_path / "exported"
+    done = export(fsdp_run / "checkpoints/step-000004", out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    exported, final = load_file(out / "model.safetensors"), load_file(fsdp_run / "final/model.safetensors")
+    assert exported.keys() == final.keys()
+    assert all(torch.equal(exported[k], final[k]) for k in final)  # the same step: bit for bit
+    # A fresh interpreter outside the repository (the kit is not importable): transformers alone loads it.
+    check = ("from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+             f"model = AutoModelForCausalLM.from_pretrained({str(out)!r})\n"
+             f"ids = AutoTokenizer.from_pretrained({str(out)!r})('1. e4 e5', return_tensors='pt').input_ids\n"
+             "assert model(ids).logits.shape[-1] == model.config.vocab_size\n")
+    loaded = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    # An earlier checkpoint exports too, and holds the earlier weights.
+    assert export(fsdp_run / "checkpoints/step-000002", tmp_path / "step2").returncode == 0
+    earlier = load_file(tmp_path / "step2/model.safetensors")
+    assert any(not torch.equal(earlier[k], final[k]) for k in final)
+
+
+def test_export_refuses_bad_inputs(fsdp_run, tmp_path):
+    incomplete = tmp_path / "step-000002"
+    shutil.copytree(fsdp_run / "checkpoints/step-000002", incomplete)
+    (incomplete / "COMPLETE").unlink()  # as a save killed before its marker leaves it
+    done = export(incomplete, tmp_path / "out")
+    assert done.returncode == 2 and done.stderr.startswith("error: ") and "not a complete checkpoint" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+    occupied = tmp_path / "occupied"
+    occupied.mkdir()
+    (occupied / "notes.txt").write_text("keep me")
+    done = export(fsdp_run / "checkpoints/step-000004", occupied)
+    assert done.returncode == 2 and "already exists and is not empty" in done.stderr
+    assert [p.name for p in occupied.iterdir()] == ["notes.txt"]
+
+    done = export(tmp_path / "no-such-checkpoint", tmp_path / "out")
+    assert done.returncode == 2 and "error: no checkpoint at" in done.stderr

@@ -1,0 +1,45 @@
+"""04_fsdp's low host-memory loading: only rank 0 ever holds the whole model in host memory; the
+other ranks hold their shards (plus one tensor in flight). And --random_init needs no weights."""
+import json
+import shutil
+import subprocess
+import sys
+
+from conftest import REPO, demo_args, read_metrics, run_step
+
+
+def test_only_rank0_holds_a_full_copy_while_loading(tmp_path):
+    """measure_loading.py on a random 230 MB Llama (small vocabulary, so that no single tensor is
+    large), 2 ranks: loaded on every rank, rank 1's memory grows by at least the whole model;
+    loaded by train.py's way, it grows by about its half only, while rank 0 holds it all."""
+    done = subprocess.run([sys.executable, str(REPO / "04_fsdp/measure_loading.py"), "--ranks", "2",
+                           "--hidden_size", "768", "--layers", "8", "--vocab_size", "2000", "--json"],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = {r["method"]: r for r in json.loads(done.stdout.strip().splitlines()[-1])}
+    model_mib = results["every_rank"]["model_mib"]
+    assert model_mib > 200
+    naive, broadcast = results["every_rank"]["per_rank"], results["rank0_broadcast"]["per_rank"]
+    assert naive[1]["peak_mib"] >= 0.9 * model_mib, naive  # the measurement does see a full copy
+    assert broadcast[0]["peak_mib"] >= 0.9 * model_mib, broadcast  # rank 0 reads the weights
+    assert broadcast[1]["peak_mib"] <= 0.75 * model_mib, broadcast  # its half (0.5) and one tensor
+    for rank in broadcast:
+        assert abs(rank["shard_mib"] - model_mib / 2) < 0.05 * model_mib
+
+
+def test_random_init_needs_only_the_config(demo, tmp_path):
+    """A model folder with config.json and tokenizer only (the 7B benchmark's case) trains."""
+    config_only = tmp_path / "config_only"
+    config_only.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo / "model" / name, config_only)
+    out = tmp_path / "run"
+    args = demo_args(demo, out) + ["--model", config_only, "--random_init", "--max_steps", 3, "--seed", 1]
+    run_step("fsdp", args, nproc=2)
+    losses = [r["loss"] for r in read_metrics(out)]
+    assert len(losses) == 3 and all(7.0 < loss < 8.5 for loss in losses)  # ln(1972) = 7.59: an untrained model
+    assert (out / "final/model.safetensors").is_file()
+    # Without --random_init the same folder is refused: there are no weights to load.
+    result = run_step("fsdp", demo_args(demo, tmp_path / "refused") + ["--model", config_only, "--max_steps", 1],
+                      nproc=2, check=False)
+    assert result.returncode != 0 and f"error: cannot load the model at {config_only}" in result.stderr

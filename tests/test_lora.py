@@ -1,0 +1,96 @@
+"""04_fsdp --lora: adapters (peft) sharded with FSDP. The loss falls; only the adapters are trained,
+checkpointed and saved; the saved adapter loads with peft alone and gives the trained model's
+validation loss; a LoRA run resumes exactly; --qlora refuses on the CPU."""
+import shutil
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, demo_args, read_metrics, run_step
+
+sys.path.insert(0, str(REPO))
+from common.chess_eval import validation_loss_sums  # noqa: E402
+from common.data import load_rows  # noqa: E402
+
+STEPS = 10
+LORA = ["--lora", "--lora_rank", 8, "--max_steps", STEPS, "--learning_rate", 5e-3, "--save_every", 5,
+        "--keep_checkpoints", 2, "--batch_size_per_device", 2, "--gradient_accumulation_steps", 2]
+
+
+@pytest.fixture(scope="module")
+def lora_run(demo, tmp_path_factory):
+    out = tmp_path_factory.mktemp("lora")
+    run_step("fsdp", demo_args(demo, out) + LORA, nproc=2)
+    return out
+
+
+def validation_loss(model, demo, tokenizer, cache_dir):
+    """What train.py reports as eval_loss (the QUICK settings: 8 rows of 64 tokens)."""
+    rows, _ = load_rows(demo / "data/validation.jsonl", tokenizer, 64, True, cache_dir)
+    total, tokens = validation_loss_sums(model.eval(), rows[:8], 4, tokenizer.pad_token_id, torch.device("cpu"))
+    return (total / tokens).item()
+
+
+def test_lora_lowers_the_loss_and_trains_only_the_adapters(lora_run):
+    losses = [r["loss"] for r in read_metrics(lora_run)]
+    assert len(losses) == STEPS and sum(losses[-3:]) / 3 < losses[0] - 0.05, losses
+    from torch.distributed.checkpoint import FileSystemReader
+    saved = FileSystemReader(lora_run / f"checkpoints/step-{STEPS:06d}").read_metadata().state_dict_metadata
+    model_keys = [k for k in saved if k.startswith("model.")]
+    optimizer_keys = [k for k in saved if k.startswith("optimizer.state.")]
+    assert model_keys and optimizer_keys
+    assert all(".lora_A." in k or ".lora_B." in k for k in model_keys + optimizer_keys)  # the frozen model stays out
+
+
+def test_adapter_loads_with_peft_and_gives_the_trained_model(lora_run, demo, tmp_path):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    final = lora_run / "final"
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in final.iterdir()}
+    adapter = load_file(final / "adapter_model.safetensors")
+    assert adapter and all("lora_" in k for k in adapter)
+    assert any(v.abs().max() > 0 for k, v in adapter.items() if "lora_B" in k)  # B starts at 0: it was trained
+
+    tokenizer = AutoTokenizer.from_pretrained(final)
+    base = AutoModelForCausalLM.from_pretrained(demo / "model", dtype=torch.float32)
+    base_loss = validation_loss(base, demo, tokenizer, tmp_path)
+    tuned = PeftModel.from_pretrained(base, final)
+    tuned_loss = validation_loss(tuned, demo, tokenizer, tmp_path)
+    trained_loss = read_metrics(lora_run)[-1]["eval_loss"]  # the sharded model's, at the last step
+    assert abs(tuned_loss - trained_loss) < 1e-5, (tuned_loss, trained_loss)
+    assert tuned_loss < base_loss - 0.01
+
+
+def test_lora_run_resumes_exactly(lora_run, demo, tmp_path):
+    """Back to the step-5 checkpoint (as if the job died after it), then --resume."""
+    resumed = tmp_path / "resumed"
+    shutil.copytree(lora_run, resumed)
+    shutil.rmtree(resumed / f"checkpoints/step-{STEPS:06d}")
+    shutil.rmtree(resumed / "final")
+    run_step("fsdp", demo_args(demo, resumed) + LORA + ["--resume"], nproc=2)
+    reference, again = read_metrics(lora_run), read_metrics(resumed)
+    assert [r["step"] for r in again] == list(range(1, STEPS + 1))
+    for ref, got in zip(reference[5:], again[5:]):
+        assert abs(ref["loss"] - got["loss"]) <= 1e-6, (ref, got)
+    from safetensors.torch import load_file
+    ref_adapter = load_file(lora_run / "final/adapter_model.safetensors")
+    got_adapter = load_file(resumed / "final/adapter_model.safetensors")
+    assert max((ref_adapter[k] - got_adapter[k]).abs().max().item() for k in ref_adapter) <= 1e-6
+
+
+def test_export_refuses_a_lora_checkpoint(lora_run, tmp_path):
+    import subprocess
+    done = subprocess.run([sys.executable, str(REPO / "04_fsdp/export.py"), str(lora_run / "checkpoints/step-000010"),
+                           str(tmp_path / "out")], capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 2 and "error:" in done.stderr and "LoRA adapters only" in done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_qlora_refuses_on_the_cpu(demo, tmp_path):
+    result = run_step("fsdp", demo_args(demo, tmp_path) + ["--qlora", "--device", "cpu", "--max_steps", 1],
+                      nproc=1, check=False)
+    assert result.returncode != 0
+    assert "error: --qlora needs a CUDA GPU" in result.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
