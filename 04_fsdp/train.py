@@ -26,13 +26,14 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from common.checkpoint import (checkpoint_dir, complete_checkpoints, load_file, mark_complete,  # noqa: E402
-                               prepare, restore_rng, train_state, TRAIN_STATE)
+from common.checkpoint import (checkpoint_dir, load_file, load_newest, mark_complete, prepare,  # noqa: E402
+                               restore_rng, stop_if_not_finite, train_state, TRAIN_STATE)
 from common.chess_eval import game_prefixes, legal_move_sums, validation_loss_sums  # noqa: E402
 from common.data import GlobalBatchSampler, count_loss_tokens, load_rows, loss_sum, make_loader  # noqa: E402
 from common.errors import UserError, exit_on_user_error  # noqa: E402
-from common.metrics import (MetricsLog, StepTimer, peak_memory, print_summary, run_params,  # noqa: E402
-                            write_summary)
+from common.metrics import (MetricsLog, StepTimer, flops_per_token, model_flops_utilization,  # noqa: E402
+                            peak_memory, print_summary, run_params, write_summary)
+from common.signals import PreemptionFlag, die_with_launcher  # noqa: E402
 from common.train_setup import (add_flag, check_arguments, enable_gradient_checkpointing, load_model,  # noqa: E402
                                 load_tokenizer, make_optimizer, make_scheduler, model_missing_message,
                                 pick_device, seed_everything, training_arguments)
@@ -183,6 +184,7 @@ def parse_arguments():
 
 
 def main():
+    die_with_launcher()  # no orphaned ranks if torchrun is killed
     args = parse_arguments()
     check_arguments(args)
     check_fsdp_arguments(args)
@@ -194,6 +196,8 @@ def main():
     dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     is_main = rank == 0  # only rank 0 logs and saves
     output_dir = Path(args.output_dir)
+    # Slurm's warning before a time limit or preemption: all ranks finish the step, save, exit cleanly.
+    preemption = PreemptionFlag(device)  # from here on, USR2 no longer kills us
 
     # Model: fp32 weights, sharded. FSDP itself runs the layers in bf16 or fp16 and reduces the
     # gradients in fp32 (MixedPrecisionPolicy); the sharded weights and AdamW's state stay fp32.
@@ -208,6 +212,7 @@ def main():
     def shard(model):
         shard_model(model, mesh, args.sharding_strategy, mp_policy, offload)
     model = load_qlora_model(args, device, shard) if args.qlora else load_sharded_model(args, rank, device, shard)
+    model_flops = flops_per_token(model, args.max_seq_length)  # for MFU
     autocast = nullcontext()  # FSDP casts the weights; no autocast on top
     # fp16 overflows where bf16 does not: scale the loss up, and skip steps whose gradients hit
     # inf. The sharded scaler agrees on "inf found" across ranks. bf16 and fp32 need no scaler.
@@ -241,20 +246,22 @@ def main():
             mark_complete(path, args.keep_checkpoints)
         dist.barrier()
 
-    start_step, untrained = 0, None
-    if args.resume and (checkpoints := complete_checkpoints(output_dir)):
+    def load_checkpoint(path):
+        nonlocal start_step, untrained
         model_state, optimizer_state = get_state_dict(model, optimizer, options=state_options)
         state = {"model": model_state, "optimizer": optimizer_state}
-        dcp.load(state, checkpoint_id=checkpoints[-1])  # each rank reads what its shards need
+        dcp.load(state, checkpoint_id=path)  # each rank reads what its shards need
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                        options=state_options)
-        train = load_file(checkpoints[-1] / TRAIN_STATE)
+        train = load_file(path / TRAIN_STATE)
         scheduler.load_state_dict(train["scheduler"])
         scaler.load_state_dict(train["scaler"])
         restore_rng(train)
         start_step, untrained = train["step"], train["untrained"]
-        if is_main:
-            tqdm.write(f"resuming from {checkpoints[-1]}")
+
+    start_step, untrained = 0, None
+    if args.resume and (resumed_from := load_newest(output_dir, load_checkpoint)) and is_main:
+        tqdm.write(f"resuming from {resumed_from}")
 
     # Data: tokenized once and cached; every optimiser step gets one global batch.
     cache_dir = Path(args.data_dir) / "tokenized"
@@ -323,24 +330,34 @@ def main():
         optimizer.zero_grad(set_to_none=True)
 
         elapsed, data_wait = timer.finish()
-        tokens = step_tokens.item()
-        record = {"step": step + 1, "loss": step_loss.item() / tokens, "lr": scheduler.get_last_lr()[0],
-                  "grad_norm": grad_norm.item(), "tokens": int(tokens), "tokens_per_s": tokens / elapsed,
+        tokens, loss_total, grad_norm = torch.stack([step_tokens, step_loss, grad_norm]).tolist()  # one sync
+        stop_if_not_finite(loss_total, step + 1, output_dir)  # the same verdict on every rank
+        record = {"step": step + 1, "loss": loss_total / tokens, "lr": scheduler.get_last_lr()[0],
+                  "grad_norm": grad_norm, "tokens": int(tokens), "tokens_per_s": tokens / elapsed,
                   "tokens_per_s_per_device": tokens / elapsed / world_size, "step_time_s": elapsed,
                   "data_wait_s": data_wait, "world_size": world_size,
                   "gradient_accumulation_steps": args.gradient_accumulation_steps,
-                  "batch_size_per_device": args.batch_size_per_device, **peak_memory(device)}
+                  "batch_size_per_device": args.batch_size_per_device, **peak_memory(device),
+                  **model_flops_utilization(tokens / elapsed / world_size, model_flops, device)}
+        preempted = preemption.requested()
         if (args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.max_steps:
             record.update(evaluate())
             if is_main:
                     tqdm.write(f"step {step + 1}: eval_loss={record['eval_loss']:.4f} "
                            f"legal_move_rate={record['legal_move_rate']:.3f}")
-        if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.max_steps:
+        if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.max_steps or preempted:
             saving = time.perf_counter()
             save_checkpoint(step + 1)
             record["checkpoint_save_s"] = time.perf_counter() - saving
         metrics.write(record)
         progress.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
+        if preempted and step + 1 < args.max_steps:
+            metrics.close()
+            if is_main:
+                tqdm.write(f"preempted: saved a checkpoint at step {step + 1} in {output_dir}; "
+                           "continue with --resume")
+            dist.destroy_process_group()
+            return
     metrics.close()
 
     # The final model in Hugging Face format. Each rank holds only shards, so gather the full
