@@ -43,7 +43,8 @@ def configurations(quick):
         return (name, script, ranks, ["--batch_size_per_device", GLOBAL_BATCH_ROWS // ranks, *extra])
 
     def fsdp(ranks, strategy, *extra):
-        return on(ranks, "fsdp", f"fsdp {strategy} x{ranks}", "--sharding_strategy", strategy, *extra)
+        name = f"fsdp {strategy} x{ranks}" + (" no packing" if "--no_packing" in extra else "")
+        return on(ranks, "fsdp", name, "--sharding_strategy", strategy, *extra)
 
     if quick:
         return [on(2, "ddp", "ddp x2"), fsdp(2, "FULL_SHARD"), on(2, "hf_trainer", "hf_trainer fsdp x2")]
@@ -90,7 +91,7 @@ def run_configuration(name, script, ranks, extra, args, steps):
     summary = json.loads((output_dir / "summary.json").read_text())
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     row = {"name": name, "script": SCRIPTS[script], "ranks": ranks, "arguments": [str(a) for a in extra],
-           "steps": len(records), "tokens_per_step": records[-1]["tokens"],
+           "steps": len(records), "tokens_per_step": round(sum(r["tokens"] for r in records) / len(records)),
            "tokens_per_s": summary["tokens_per_s"], "tokens_per_s_per_rank": summary["tokens_per_s_per_device"],
            "step_time_s": summary["step_time_s"], "peak_rss_mib_per_rank": summary["peak_rss_mib_per_rank"],
            "final_loss": summary["final_loss"], "wall_s": round(wall, 1), "output_dir": str(output_dir)}
@@ -144,13 +145,14 @@ def markdown(results):
              f"Every run: {results['global_batch']}, {results['steps']} optimiser steps, one thread per rank; "
              "tokens/s counts loss-bearing tokens only and leaves out step 1.",
              "",
-             "| configuration | script | ranks | tokens/s | tokens/s per rank | s/step | peak RSS MiB/rank "
-             "| params+grads+AdamW MiB/rank | final loss |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| configuration | script | ranks | tokens/s | tokens/s per rank | useful tokens/step | s/step "
+             "| peak RSS MiB/rank | params+grads+AdamW MiB/rank | final loss |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in results["runs"]:
         state = row.get("state_mib_per_rank")
         lines.append(f"| {row['name']} | `{row['script']}` | {row['ranks']} | {row['tokens_per_s']} "
-                     f"| {row['tokens_per_s_per_rank']} | {row['step_time_s']} | {row['peak_rss_mib_per_rank']} "
+                     f"| {row['tokens_per_s_per_rank']} | {row['tokens_per_step']} | {row['step_time_s']} "
+                     f"| {row['peak_rss_mib_per_rank']} "
                      f"| {'—' if state is None else state} | {row['final_loss']} |")
     lines += ["", "Targets (ratios from this run):", "",
               "| target | ratio | needed | |", "|---|---:|---:|---|"]

@@ -1,6 +1,7 @@
 """benchmark/: the side-by-side benchmark (quick mode) writes a consistent table, JSON, plots and
 target checks; the 7B-shape script runs end to end on a shrunk shape on the CPU. No timing values
 are asserted: they depend on the machine."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -17,6 +18,24 @@ def run_script(script, *args, timeout=300):
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     return subprocess.run([sys.executable, str(REPO / script), *[str(a) for a in args]], capture_output=True,
                           text=True, timeout=timeout, env=env, cwd=REPO)
+
+
+def test_full_benchmark_covers_every_configuration_with_one_global_batch():
+    spec = importlib.util.spec_from_file_location("benchmark_run", REPO / "benchmark" / "run.py")
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+    configs = run.configurations(quick=False)
+    names = [name for name, _, _, _ in configs]
+    assert len(set(names)) == len(names)  # each writes its own folder and table row
+    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
+        assert {f"fsdp {strategy} x2", f"fsdp {strategy} x4"} <= set(names)
+    assert {"single", "ddp x2", "ddp x4", "fsdp HYBRID_SHARD x4", "fsdp FULL_SHARD x2 no packing",
+            "hf_trainer fsdp x2"} <= set(names)
+    for name, _, ranks, extra in configs:
+        micro = extra[extra.index("--batch_size_per_device") + 1]
+        accumulation = extra[extra.index("--gradient_accumulation_steps") + 1] \
+            if "--gradient_accumulation_steps" in extra else 1
+        assert micro * accumulation * ranks == run.GLOBAL_BATCH_ROWS, name
 
 
 @pytest.fixture(scope="module")
