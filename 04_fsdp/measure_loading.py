@@ -1,7 +1,7 @@
 """Peak host memory (RSS) per rank while the model is loaded and sharded: every rank loading the
 model (the naive way), or rank 0 loading it and broadcasting (train.py's load_sharded_model).
 
-    python 04_fsdp/measure_loading.py --ranks 2 4      # a random ~270M-parameter Llama (1.1 GB fp32)
+    python 04_fsdp/measure_loading.py --ranks 2 4      # a random 270M-parameter Llama (1 GiB in fp32)
     python 04_fsdp/measure_loading.py --model DIR      # or a model of your own
 
 Each measurement is a fresh torchrun on the CPU (gloo). A rank's figure is its peak RSS during the
@@ -60,8 +60,9 @@ def measure_one_rank(method, model_dir):
                                          rank, device, shard)
     peak = memory_mib("VmHWM")
     shard_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # DTensor: the full size
     figures = {"rank": rank, "peak_mib": round(peak - before, 1), "after_mib": round(memory_mib("VmRSS") - before, 1),
-               "shard_mib": round(shard_bytes / 2**20, 1)}
+               "shard_mib": round(shard_bytes / 2**20, 1), "model_mib": round(model_bytes / 2**20, 1)}
     gathered = [None] * world_size
     dist.all_gather_object(gathered, figures)
     dist.destroy_process_group()
@@ -69,19 +70,19 @@ def measure_one_rank(method, model_dir):
 
 
 def make_model(out_dir, hidden_size, layers, vocab_size):
-    """A Llama with random weights, saved like a downloaded one (no download needed)."""
+    """A Llama with random weights, saved like a downloaded one (no download needed): in bf16, as
+    CodeLlama-7b is on the Hub, so loading it for fp32 training converts every tensor."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=hidden_size, intermediate_size=hidden_size * 11 // 4, num_hidden_layers=layers,
                          num_attention_heads=hidden_size // 64, num_key_value_heads=hidden_size // 64,
                          vocab_size=vocab_size, max_position_embeddings=2048)
-    LlamaForCausalLM(config).save_pretrained(out_dir)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(out_dir)
 
 
 def run(model_dir, ranks):
     """One torchrun per (ranks, method); returns [{ranks, method, model_mib, per_rank: [...]}]."""
-    model_mib = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors")) / 2**20
     results = []
     for world_size in ranks:
         for method in METHODS:
@@ -92,13 +93,13 @@ def run(model_dir, ranks):
             if done.returncode != 0:
                 sys.exit(f"error: the {method} measurement on {world_size} ranks failed:\n{done.stderr[-3000:]}")
             per_rank = json.loads(done.stdout.strip().splitlines()[-1])
-            results.append({"ranks": world_size, "method": method, "model_mib": round(model_mib, 1),
+            results.append({"ranks": world_size, "method": method, "model_mib": per_rank[0]["model_mib"],
                             "per_rank": per_rank})
     return results
 
 
 def print_table(results):
-    print(f"model weights: {results[0]['model_mib']:.0f} MiB (fp32 safetensors)\n")
+    print(f"model: {results[0]['model_mib']:.0f} MiB of fp32 weights\n")
     print("| ranks | loading | extra peak RSS per rank while loading (MiB) | after loading | own shard |")
     print("|---:|---|---|---|---:|")
     for result in results:
