@@ -41,5 +41,5 @@ def test_random_init_needs_only_the_config(demo, tmp_path):
     assert (out / "final/model.safetensors").is_file()
     # Without --random_init the same folder is refused: there are no weights to load.
     result = run_step("fsdp", demo_args(demo, tmp_path / "refused") + ["--model", config_only, "--max_steps", 1],
-                      nproc=2, check=False)
+                      nproc=1, check=False)
     assert result.returncode != 0 and f"error: cannot load the model at {config_only}" in result.stderr
