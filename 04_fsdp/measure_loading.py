@@ -65,6 +65,7 @@ def measure_one_rank(method, model_dir):
                "shard_mib": round(shard_bytes / 2**20, 1), "model_mib": round(model_bytes / 2**20, 1)}
     gathered = [None] * world_size
     dist.all_gather_object(gathered, figures)
+    del model  # before the process group: the other way round, gloo can abort at exit (pytorch#56297)
     dist.destroy_process_group()
     return gathered
 
