@@ -10,6 +10,7 @@ training script. Run it on the login node, after the download step (compute node
 """
 import argparse
 import math
+import os
 import re
 import shlex
 import shutil
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import submitit
 
-from slurm.step_launcher import STEP_SCRIPTS, StepLauncher
+from slurm.step_launcher import PREEMPTION_SIGNAL, PREEMPTION_WARNING_S, STEP_SCRIPTS, StepLauncher
 
 REPO = Path(__file__).resolve().parent
 DEMO_DOWNLOAD = "python 01_download/download.py --demo --out demo"
@@ -29,6 +30,7 @@ MANAGED_ARGUMENTS = {
     "--gradient_accumulation_steps": "--total_batch_size (the accumulation is computed from it)",
     "--device": None,
 }
+MAX_REQUEUES_AFTER_TIME_LIMIT = 20
 
 
 class UserError(Exception):
@@ -52,6 +54,7 @@ def parse_arguments(argv):
     parser = OneLineParser(description=__doc__.split("\n\n")[0],
                            usage="%(prog)s --step {singlegpu,ddp,fsdp} [options] [-- training arguments]")
     add_option(parser, "step", required=True, choices=sorted(STEP_SCRIPTS), help="which step to run")
+    add_option(parser, "job_name", help="the job's name in squeue (default: the step)")
     add_option(parser, "gpus", type=int, default=1, help="GPUs per node (default: 1)")
     add_option(parser, "nodes", type=int, default=1, help="nodes (default: 1)")
     add_option(parser, "total_batch_size", type=int, default=64,
@@ -108,6 +111,19 @@ def time_limit_minutes(text):
     return math.ceil(seconds / 60)
 
 
+def check_sbatch_values(args):
+    """Values that land in `#SBATCH` lines of the job script. submitit quotes them, but a line
+    break would end the `#SBATCH` comment and run the rest as a command."""
+    for name in ("job_name", "partition", "account", "log_dir"):
+        value = getattr(args, name)
+        if value is not None and not value.isprintable():
+            raise UserError(f"--{name} {value!r} contains a line break or another control character: "
+                            "use one line of printable characters")
+    if "%" in args.log_dir:
+        raise UserError(f"--log_dir {args.log_dir!r}: Slurm would expand the % in it (%j, %x, ...); "
+                        "choose a directory without %")
+
+
 def check_request(args):
     if args.step == "singlegpu" and (args.gpus != 1 or args.nodes != 1):
         raise UserError(f"--step singlegpu runs on one GPU of one node (got --gpus {args.gpus} --nodes {args.nodes}): "
@@ -161,14 +177,19 @@ class PlanOnlyExecutor(submitit.SlurmExecutor):
         return 1
 
 
-def make_executor(args, timeout_min):
+def make_executor(args, timeout_min, warning_s):
     folder = Path(absolute(args.log_dir)) / "%j"
     cpus_per_task = args.cpus_per_task or 8 * args.gpus
     executor_class = PlanOnlyExecutor if args.dry_run else submitit.SlurmExecutor
-    executor = executor_class(folder=folder)
+    # Requeues after a time limit: each one resumes from a checkpoint, so allow plenty.
+    executor = executor_class(folder=folder, max_num_timeout=MAX_REQUEUES_AFTER_TIME_LIMIT)
     executor.update_parameters(
-        job_name=args.step, nodes=args.nodes, ntasks_per_node=1, gpus_per_node=args.gpus,
+        job_name=args.job_name or args.step, nodes=args.nodes, ntasks_per_node=1, gpus_per_node=args.gpus,
         cpus_per_task=cpus_per_task, time=timeout_min, stderr_to_stdout=True,
+        # Preemption and time limits: USR2 (submitit's signal) warning_s before the end, to
+        # every process of the job; the training saves and stops, StepLauncher.checkpoint
+        # requeues (--requeue also lets Slurm requeue it after a node failure).
+        signal_delay_s=warning_s, additional_parameters={"requeue": True},
         **({"mem": f"{args.mem_gb}GB"} if args.mem_gb is not None else {}),
         **({"partition": args.partition} if args.partition is not None else {}),
         **({"account": args.account} if args.account is not None else {}),
@@ -186,20 +207,26 @@ def make_executor(args, timeout_min):
 
 def main(argv):
     args = parse_arguments(argv)
+    check_sbatch_values(args)
     check_request(args)
     accumulation = gradient_accumulation_steps(args.total_batch_size, args.batch_size_per_device, args.gpus, args.nodes)
     timeout_min = time_limit_minutes(args.time)
+    if submitit.JobEnvironment._usr_sig() != PREEMPTION_SIGNAL:  # SUBMITIT_PREEMPT_SIGNAL=USR1 in the environment
+        raise UserError(f"SUBMITIT_PREEMPT_SIGNAL={os.environ.get('SUBMITIT_PREEMPT_SIGNAL')}: the training scripts stop "
+                        "on USR2, submitit's default: unset SUBMITIT_PREEMPT_SIGNAL")
+    # The warning comes 5 minutes before the time limit, or halfway through a shorter job.
+    warning_s = min(PREEMPTION_WARNING_S, timeout_min * 60 // 2)
     model = absolute(args.model) if Path(args.model).exists() else args.model  # else a Hugging Face id
     data_dir, output_dir = absolute(args.data_dir), absolute(args.output_dir or f"runs/{args.step}-%j")
     check_downloads(model, data_dir)
     if not args.dry_run and shutil.which("sbatch") is None:
         raise UserError("no Slurm here (sbatch not found): run this on the cluster's login node, or add --dry-run")
 
-    executor, cpus_per_task = make_executor(args, timeout_min)
+    executor, cpus_per_task = make_executor(args, timeout_min, warning_s)
     training_args = ["--model", model, "--data_dir", data_dir, "--output_dir", output_dir,
                      "--batch_size_per_device", str(args.batch_size_per_device),
                      "--gradient_accumulation_steps", str(accumulation), *args.training_args]
-    launcher = StepLauncher(args.step, args.gpus, cpus_per_task, training_args)
+    launcher = StepLauncher(args.step, args.gpus, cpus_per_task, training_args, warning_s)
     devices = args.gpus * args.nodes
     print(f"step {args.step}: {args.nodes} node(s) × {args.gpus} GPU(s) = {devices} process(es), {cpus_per_task} CPUs "
           f"per node, time limit {args.time}")
@@ -210,6 +237,8 @@ def main(argv):
     print(f"on each node: {shlex.join(example)}")
     print("  (FIRST_NODE: first node of the allocation, PORT: 20000 + job id % 20000; --device cpu where the "
           "GPUs are not usable by CUDA)")
+    print(f"preemption: {warning_s} s before the time limit Slurm sends USR2; the training saves a checkpoint and "
+          "stops, the job is requeued and continues with --resume")
 
     if args.dry_run:
         # The two (private) calls with which submitit writes the script when it submits.

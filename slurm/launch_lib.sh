@@ -110,9 +110,24 @@ pick_device() {
   fi
 }
 
+# training_arguments "$@": sets TRAINING_ARGS, the arguments after the script name, for the
+# training script. A requeued job (same job id, SLURM_RESTART_COUNT > 0) continues its run from
+# the newest checkpoint: --resume, and an --overwrite meant for the first start is dropped (it
+# would delete that checkpoint).
+training_arguments() {
+  TRAINING_ARGS=("$@")
+  ((${SLURM_RESTART_COUNT:-0} > 0)) || return 0
+  local argument
+  TRAINING_ARGS=()
+  for argument in "$@"; do
+    [[ $argument == --overwrite ]] || TRAINING_ARGS+=("$argument")
+  done
+  TRAINING_ARGS+=(--resume)
+}
+
 # setup_training_job "$@": everything before the launch line. Sets MODEL DATA_DIR OUTPUT_DIR
 # BATCH_SIZE_PER_DEVICE NODES GPUS_PER_NODE DEVICE GRADIENT_ACCUMULATION_STEPS
-# RDZV_ENDPOINT RDZV_ID.
+# RDZV_ENDPOINT RDZV_ID TRAINING_ARGS.
 setup_training_job() {
   [[ -n ${SLURM_JOB_ID:-} ]] || die "submit this script with sbatch (it needs a Slurm allocation)"
   cd "$SLURM_SUBMIT_DIR" || die "cannot enter the submit directory $SLURM_SUBMIT_DIR"
@@ -154,20 +169,64 @@ setup_training_job() {
   # CPU binding could put each node's torchrun and all its workers on one core.
   export SRUN_CPUS_PER_TASK=$cpus
 
+  training_arguments "$@"
+  FINAL_MODEL_BEFORE=$(final_model_time)
+
   echo "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $NODES node(s) × $GPUS_PER_NODE GPU(s) on $SLURM_JOB_NODELIST;" \
     "total batch $TOTAL_BATCH_SIZE = $BATCH_SIZE_PER_DEVICE per device × $((GPUS_PER_NODE * NODES)) devices ×" \
     "$GRADIENT_ACCUMULATION_STEPS accumulation steps; rendezvous $RDZV_ENDPOINT id $RDZV_ID; output in $OUTPUT_DIR"
 }
 
-# wait_for_step PID: wait for the srun started in the background and return its exit status.
+# ---- preemption and time limits ------------------------------------------------------------
+# `#SBATCH --signal=B:USR2@300` makes Slurm send USR2 to the batch shell, and only to it, 300 s
+# before the time limit (and at a preemption, where the site enables that). The shell forwards
+# it to every training process on every node; they finish the optimiser step they are in, save
+# a checkpoint and exit 0; the shell then requeues the job, which continues from the checkpoint.
+# USR2 is the signal submitit uses too: one signal for the whole kit.
+
+PREEMPTION_WARNED=0
+
+# The trap for USR2 in the batch shell (the templates install it first thing).
+forward_preemption_warning() {
+  PREEMPTION_WARNED=1
+  echo "$(date +%T) preemption warning (USR2): forwarding it to the training processes; the job" \
+    "will be requeued once they have saved a checkpoint"
+  # No --batch/--full: every process of the job's steps on every node, not this shell.
+  scancel --signal=USR2 "$SLURM_JOB_ID" \
+    || echo "warning: could not forward USR2 to the training (not started yet?)" >&2
+}
+
+# Runs the command after it with USR2 ignored: torchrun's agent would die of the forwarded
+# warning (the default action) and take the training down with it. An ignored signal stays
+# ignored across exec; the training processes install their own handler.
+# shellcheck disable=SC2016  # "$@" is expanded by that inner bash, not here
+USR2_IGNORED=(bash -c 'trap "" USR2 && exec "$@"' usr2-ignored)
+
+# The modification time of the final model, or "none": tells whether this attempt finished.
+final_model_time() {
+  stat --format=%Y "$OUTPUT_DIR/final/model.safetensors" 2>/dev/null || echo none
+}
+
+# wait_for_step PID: wait for the srun started in the background and return its exit status;
+# after a preemption warning, requeue the job if the training stopped early with a checkpoint.
 # srun runs in the background because bash runs a signal trap only between commands: a
-# foreground srun would hold back a preemption trap (USR2) until training had ended. `wait`
-# also returns when a trapped signal arrives, hence the loop.
+# foreground srun would hold back the trap until training had ended. `wait` also returns when
+# a trapped signal arrives, hence the loop.
 wait_for_step() {
   local step_pid=$1 status=0
   while :; do
     wait "$step_pid" && status=0 || status=$?
     kill -0 "$step_pid" 2>/dev/null || break
   done
+  ((PREEMPTION_WARNED)) || return "$status"
+  if ((status != 0)); then
+    echo "the training failed (exit status $status) after the preemption warning: not requeued." \
+      "To continue from its last complete checkpoint, submit again with OUTPUT_DIR=$OUTPUT_DIR and --resume" >&2
+  elif [[ $(final_model_time) != "$FINAL_MODEL_BEFORE" ]]; then
+    echo "the training finished before it could stop early: nothing to requeue"
+  else
+    echo "$(date +%T) the training saved a checkpoint and stopped: requeueing job $SLURM_JOB_ID"
+    scontrol requeue "$SLURM_JOB_ID"
+  fi
   return "$status"
 }

@@ -16,6 +16,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 STEP_SCRIPTS = {"singlegpu": "02_singlegpu/train.py", "ddp": "03_ddp/train.py", "fsdp": "04_fsdp/train.py"}
 PREEMPTION_SIGNAL = signal.SIGUSR2  # the kit's one preemption signal (submitit's default)
+PREEMPTION_WARNING_S = 300  # how long before the time limit Slurm sends it (as in the templates)
 PR_SET_PDEATHSIG = 1
 
 
@@ -36,17 +37,28 @@ def _prepare_child():
 
 
 class StepLauncher:
-    """Starts the step's command on this node and waits for it; fails if it fails."""
+    """Starts the step's command on this node and waits for it; fails if it fails.
 
-    def __init__(self, step, gpus_per_node, cpus_per_task, training_args):
+    On the preemption warning (USR2, `--signal=USR2@...`: Slurm sends it to every process of
+    the job) the training processes save a checkpoint and stop; submitit calls `checkpoint()`
+    on the first node, which waits for that, and requeues the job with a fresh launcher. The
+    requeued job continues the run (`--resume`)."""
+
+    def __init__(self, step, gpus_per_node, cpus_per_task, training_args, warning_s=PREEMPTION_WARNING_S):
         self.step = step
         self.gpus_per_node = gpus_per_node
         self.cpus_per_task = cpus_per_task
         self.training_args = list(training_args)  # `%j` in them becomes the job id
+        self.warning_s = warning_s
+        self.process = None  # the running torchrun (or python for step 2)
 
-    def command(self, num_nodes, first_node, port, rdzv_id, device, job_id):
-        """The step's launch line, as a user would type it on one node."""
+    def command(self, num_nodes, first_node, port, rdzv_id, device, job_id, restarts=0):
+        """The step's launch line, as a user would type it on one node. A requeued job (same
+        job id, restarts > 0) continues its run from the newest checkpoint: --resume, and an
+        --overwrite meant for the first start is dropped (it would delete that checkpoint)."""
         script_args = [arg.replace("%j", str(job_id)) for arg in self.training_args] + ["--device", device]
+        if int(restarts) > 0:
+            script_args = [arg for arg in script_args if arg != "--overwrite"] + ["--resume"]
         if self.step == "singlegpu":
             return [sys.executable, STEP_SCRIPTS[self.step], *script_args]
         torchrun = Path(sys.executable).with_name("torchrun")  # the one of this environment
@@ -82,14 +94,40 @@ class StepLauncher:
         command = self.command(
             num_nodes=job.num_nodes, first_node=job.hostnames[0], port=rendezvous_port(job_id),
             # A requeued job keeps its id: the restart count makes a fresh rendezvous.
-            rdzv_id=f"{job_id}-{restarts}", device=self.pick_device(), job_id=job_id)
+            rdzv_id=f"{job_id}-{restarts}", device=self.pick_device(), job_id=job_id, restarts=restarts)
         env = {**os.environ, "OMP_NUM_THREADS": str(max(1, self.cpus_per_task // self.gpus_per_node))}
         print(f"node {job.node} ({job.hostname}), restart {restarts}: {shlex.join(command)}", flush=True)
-        process = subprocess.Popen(command, cwd=REPO, env=env, preexec_fn=_prepare_child)
+        self.process = subprocess.Popen(command, cwd=REPO, env=env, preexec_fn=_prepare_child)
         # Poll, never process.wait(): a blocking wait() holds Popen's lock, and submitit's
-        # preemption handler runs in this very thread; it could then never reap the child.
-        while process.poll() is None:
+        # preemption handler (checkpoint() below) runs in this very thread; it could then never
+        # reap the child, and the job would hang until Slurm kills it.
+        while self.process.poll() is None:
             time.sleep(0.5)
-        if process.returncode != 0:
-            raise RuntimeError(f"{Path(command[0]).name} exited with status {process.returncode} on node {job.node}")
+        if self.process.returncode != 0:
+            raise RuntimeError(f"{Path(command[0]).name} exited with status {self.process.returncode} "
+                               f"on node {job.node}")
         return f"node {job.node}: {self.step} finished"
+
+    def checkpoint(self, *args, **kwargs):
+        """submitit calls this on the first node when the preemption warning arrives. The
+        training processes got the signal too: wait (polling) until they have saved and
+        stopped, then hand submitit a fresh launcher to requeue; None means no requeue."""
+        import submitit
+
+        deadline = time.monotonic() + max(10, self.warning_s - 30)  # Slurm ends the job at warning_s
+        while self.process is not None and self.process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        if self.process is None:
+            print("the preemption warning came before the training started: requeueing", flush=True)
+        elif self.process.poll() is None:
+            print("the training did not stop in time after the preemption warning: requeueing anyway; the "
+                  "job continues from the last complete checkpoint", flush=True)
+        elif self.process.returncode != 0:
+            print(f"the training failed (exit status {self.process.returncode}) after the preemption warning: not "
+                  "requeued. To continue from its last complete checkpoint, submit again with the same "
+                  "--output_dir and `-- --resume`", flush=True)
+            return None
+        else:
+            print("the training saved a checkpoint and stopped: requeueing", flush=True)
+        fresh = StepLauncher(self.step, self.gpus_per_node, self.cpus_per_task, self.training_args, self.warning_s)
+        return submitit.helpers.DelayedSubmission(fresh, *args, **kwargs)

@@ -46,6 +46,19 @@ def port_is_free(port):
         return True
 
 
+def running_cluster(tmp_path_factory):
+    """A fresh local cluster for one test module, which makes it its fixture with
+    `slurm_cluster = pytest.fixture(scope="module")(running_cluster)`. Skips where Slurm cannot
+    run; stopped (daemons and leftover job processes) at the module's end."""
+    cluster = LocalSlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        cluster.up()
+    except ClusterUnavailable as reason:
+        pytest.skip(f"no Slurm on this machine: {reason}")
+    yield cluster
+    cluster.down()
+
+
 class LocalSlurmCluster:
     def __init__(self, directory):
         self.dir = Path(directory)
@@ -100,6 +113,18 @@ class LocalSlurmCluster:
             time.sleep(1)
         self.run(["scancel", job_id])
         raise TimeoutError(f"job {job_id} did not finish within {timeout} s (state {self.state(job_id)})")
+
+    def wait_until(self, job_id, condition, timeout, what):
+        """Poll `condition()` until it is true; fail when the job ends first or time runs out."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if condition():
+                return
+            state = self.state(job_id)
+            if state in FINISHED_STATES:
+                raise AssertionError(f"job {job_id} ended ({state}) before {what}")
+            time.sleep(0.5)
+        raise TimeoutError(f"job {job_id}: no {what} within {timeout} s (state {self.state(job_id)})")
 
     def keep_logs(self):
         """Copy the daemon logs, slurm.conf and everything the jobs wrote to a folder that stays."""

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from conftest import read_metrics
-from slurm_cluster import ClusterUnavailable, LocalSlurmCluster
+from slurm_cluster import running_cluster
 
 pytestmark = pytest.mark.slurm
 
@@ -23,16 +23,7 @@ QUICK_TRAINING = ["--max_steps", "6", "--learning_rate", "3e-3", "--max_seq_leng
 SMALL_NODE = ["--cpus-per-task=2", "--mem=2G", "--time=10"]
 JOB_TIMEOUT_S = 240
 
-
-@pytest.fixture(scope="session")
-def slurm_cluster(tmp_path_factory):
-    cluster = LocalSlurmCluster(tmp_path_factory.mktemp("slurm"))
-    try:
-        cluster.up()
-    except ClusterUnavailable as reason:
-        pytest.skip(f"no Slurm on this machine: {reason}")
-    yield cluster
-    cluster.down()
+slurm_cluster = pytest.fixture(scope="module")(running_cluster)
 
 
 def job_output(cluster, name, job_id):

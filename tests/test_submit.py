@@ -97,12 +97,74 @@ def test_dry_run_prints_the_plan_and_the_sbatch_script_without_slurm(no_slurm_en
     assert "--gradient_accumulation_steps 2 --learning_rate 2e-5" in out
     for line in ["#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=4",
                  "#SBATCH --cpus-per-task=32", "#SBATCH --partition=gpu", "#SBATCH --account=chess",
-                 "#SBATCH --time=1470", "#SBATCH --signal=USR2@90",
+                 "#SBATCH --time=1470", "#SBATCH --signal=USR2@300", "#SBATCH --requeue",
                  f"export PYTHONPATH={shlex.quote(str(REPO))}" + '"${PYTHONPATH:+:$PYTHONPATH}"',
                  "export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1"]:
         assert line in out.splitlines(), line
     assert "--kill-on-bad-exit=1 --cpus-per-task=32" in out
     assert "nothing submitted" in out and "submitted job" not in out
+
+
+def test_short_jobs_are_warned_halfway(no_slurm_env):
+    result = run_submit(["--dry-run", "--step", "ddp", "--gpus", "2", "--time", "4"], no_slurm_env)
+    assert result.returncode == 0, result.stderr
+    assert "#SBATCH --signal=USR2@120" in result.stdout.splitlines()
+
+
+HOSTILE = "chess 'run' \"two\" $(touch injected); `touch injected` & \\ *"
+
+
+def test_hostile_job_name_stays_one_quoted_value(no_slurm_env, tmp_path):
+    """submitit quotes #SBATCH values; the script must parse back to exactly the name, and
+    running its shell lines must not run anything hidden in it (tests/test_preemption.py runs
+    such a job on Slurm)."""
+    result = run_submit(["--dry-run", "--step", "ddp", "--gpus", "2", "--job_name", HOSTILE,
+                         "--log_dir", str(tmp_path / "logs 'x' $(touch injected)")], no_slurm_env)
+    assert result.returncode == 0, result.stderr
+    script = result.stdout.split("---- sbatch script (dry run: nothing submitted) ----\n")[1]
+    name_lines = [line for line in script.splitlines() if line.startswith("#SBATCH --job-name=")]
+    assert len(name_lines) == 1 and shlex.split(name_lines[0].removeprefix("#SBATCH --job-name=")) == [HOSTILE]
+    # The setup lines, with srun and python replaced by printing their arguments one per line.
+    check = subprocess.run([shutil.which("bash"), "-c", "srun() { printf '%s\\n' \"$@\"; }\n" + script], cwd=tmp_path,
+                           capture_output=True, text=True, env={**no_slurm_env, "PYTHONPATH": ""})
+    assert check.returncode == 0, check.stderr
+    assert str(tmp_path / "logs 'x' $(touch injected)" / "%j") in check.stdout.splitlines()
+    assert not list(tmp_path.rglob("injected")) and not (REPO / "injected").exists()
+
+
+@pytest.mark.parametrize("option", ["--job_name", "--partition", "--account", "--log_dir"])
+def test_line_breaks_in_sbatch_values_are_refused(no_slurm_env, option):
+    """A line break would end the `#SBATCH` comment and run the rest as a command."""
+    result = run_submit(["--dry-run", "--step", "ddp", option, "chess\ntouch injected"], no_slurm_env)
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr.startswith(f"error: {option} 'chess\\ntouch injected' contains a line break")
+    assert result.stderr.count("\n") == 1
+
+
+def test_another_submitit_signal_is_refused(no_slurm_env):
+    """The training scripts stop on USR2; submitit would send USR1 instead."""
+    result = run_submit(["--dry-run", "--step", "ddp"], {**no_slurm_env, "SUBMITIT_PREEMPT_SIGNAL": "USR1"})
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == ("error: SUBMITIT_PREEMPT_SIGNAL=USR1: the training scripts stop on USR2, submitit's "
+                             "default: unset SUBMITIT_PREEMPT_SIGNAL\n")
+
+
+def test_requeued_launch_continues_the_run():
+    """After a requeue (restart count > 0) the training continues from its checkpoint, and an
+    --overwrite meant for the first start is dropped: it would delete that checkpoint."""
+    launcher = submit.StepLauncher("fsdp", 2, 4, ["--output_dir", "runs/x-%j", "--overwrite", "--max_steps", "9"])
+    where = dict(num_nodes=2, first_node="node1", port=20007, device="cuda", job_id=7)
+    first = launcher.command(rdzv_id="7-0", restarts=0, **where)
+    again = launcher.command(rdzv_id="7-1", restarts=1, **where)
+    assert first[first.index("04_fsdp/train.py") + 1:] == ["--output_dir", "runs/x-7", "--overwrite", "--max_steps",
+                                                            "9", "--device", "cuda"]
+    assert again[again.index("04_fsdp/train.py") + 1:] == ["--output_dir", "runs/x-7", "--max_steps", "9",
+                                                            "--device", "cuda", "--resume"]
+    assert "--rdzv-id=7-1" in again
+    # the templates do the same
+    result = run_lib('SLURM_RESTART_COUNT=0 training_arguments --overwrite "a b"; printf "[%s]" "${TRAINING_ARGS[@]}";'
+                     'SLURM_RESTART_COUNT=2 training_arguments --overwrite "a b"; printf "[%s]" "${TRAINING_ARGS[@]}"')
+    assert (result.returncode, result.stdout) == (0, "[--overwrite][a b][a b][--resume]")
 
 
 def test_dry_run_quotes_paths_for_the_shell(no_slurm_env, tmp_path):

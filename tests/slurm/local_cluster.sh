@@ -134,6 +134,9 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 SchedulerType=sched/backfill
+# Try waiting jobs every 2 s (default 60): a requeued job then starts again right after its
+# cred_expire wait, not up to a minute later.
+SchedulerParameters=sched_interval=2
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core_Memory
 # The fake nodes share this machine's cores and memory; trust the numbers below.

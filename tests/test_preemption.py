@@ -1,0 +1,155 @@
+"""Preemption and time limits on a real 2-node Slurm (tests/slurm/local_cluster.sh), end to end:
+the warning signal reaches every rank on both nodes, they save a checkpoint and stop, the job is
+requeued and resumes; twice in one job. The result must be the uninterrupted run's: the same
+final weights, every step in metrics.jsonl exactly once.
+
+How the warning is sent here is what Slurm does at the time limit:
+* sbatch templates: `#SBATCH --signal=B:USR2@300` signals the batch shell only, which is
+  `scancel --batch --signal=USR2 JOB`;
+* submit.py: submitit's `--signal=USR2@300` (no B:) signals every process of the job's steps,
+  which is `scancel --signal=USR2 JOB` (what submitit's own `job._interrupt(timeout=True)` runs).
+The warnings are timed by the run's progress (metrics.jsonl), not by sleeping.
+"""
+import json
+import re
+import sys
+
+import pytest
+
+from conftest import assert_same_run, demo_args, run_step
+from slurm_cluster import REPO, running_cluster
+
+pytestmark = pytest.mark.slurm
+
+STEP = "fsdp"
+MAX_STEPS = 12
+# 2 nodes × 2 fake GPUs, 2 rows per device: a total batch of 8 is one pass, no accumulation.
+WORLD_SIZE, TOTAL_BATCH, PER_DEVICE = 4, 8, 2
+TRAINING = ["--max_steps", str(MAX_STEPS), "--learning_rate", "3e-3", "--max_seq_length", "64",
+            "--eval_every", "0", "--eval_rows", "8", "--eval_games", "8"]
+SMALL_NODE = ["--cpus-per-task=2", "--mem=2G", "--time=10"]
+# Quotes, spaces, a command substitution and a `;`: nothing may run, the path must arrive as is.
+HOSTILE = "run 'one' \"two\" $(touch injected); `touch injected` & "
+START_TIMEOUT_S = 120  # from submission (or requeue) to training steps on both nodes
+JOB_TIMEOUT_S = 240
+
+slurm_cluster = pytest.fixture(scope="module")(running_cluster)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(demo, tmp_path_factory):
+    """The same training in one go, with plain torchrun and the same world size and batch."""
+    output_dir = tmp_path_factory.mktemp("uninterrupted")
+    run_step(STEP, demo_args(demo, output_dir) + TRAINING[2:] + [
+        "--max_steps", MAX_STEPS, "--batch_size_per_device", PER_DEVICE, "--gradient_accumulation_steps", 1],
+        nproc=WORLD_SIZE)
+    return output_dir
+
+
+def steps_done(output_dir):
+    """The steps in metrics.jsonl so far (a line being written is left out)."""
+    try:
+        lines = (output_dir / "metrics.jsonl").read_text().split("\n")[:-1]
+    except FileNotFoundError:
+        return []
+    return [json.loads(line)["step"] for line in lines]
+
+
+def saved_steps(log):
+    return [int(step) for step in re.findall(r"preempted: saved a checkpoint at step (\d+) in ", log)]
+
+
+def preempt_twice(cluster, job_id, output_dir, read_log, warn):
+    """Warn once training is under way; after the requeue, once it is under way again. Returns
+    the two steps at which the training saved and stopped."""
+    cluster.wait_until(job_id, lambda: len(steps_done(output_dir)) >= 2, START_TIMEOUT_S, "training steps")
+    warn()
+    cluster.wait_until(job_id, lambda: len(saved_steps(read_log())) == 1, 60, "a checkpoint after the warning")
+    first = saved_steps(read_log())[0]
+    cluster.wait_until(job_id, lambda: max(steps_done(output_dir), default=0) >= first + 2, START_TIMEOUT_S,
+                       "training steps after the first requeue")
+    warn()
+    cluster.wait_until(job_id, lambda: len(saved_steps(read_log())) == 2, 60, "a checkpoint after the second warning")
+    return saved_steps(read_log())
+
+
+def check_same_as_uninterrupted(output_dir, uninterrupted, saved):
+    first, second = saved
+    assert 2 <= first < second < MAX_STEPS, saved
+    assert steps_done(output_dir) == list(range(1, MAX_STEPS + 1))  # every step exactly once
+    assert_same_run(uninterrupted, output_dir, tolerance=1e-6)  # per-step losses and final weights
+
+
+def test_sbatch_job_survives_two_preemptions(slurm_cluster, demo, uninterrupted):
+    output_dir = slurm_cluster.jobs_dir / f"sbatch {HOSTILE}"
+    job_id = slurm_cluster.sbatch(
+        "--nodes=2", "--gpus-per-node=2", *SMALL_NODE, f"slurm/{STEP}.sh", *TRAINING,
+        # --overwrite is for the first start only: a requeued attempt must not delete its checkpoint
+        "--overwrite",
+        extra_env={"MODEL": str(demo / "model"), "DATA_DIR": str(demo / "data"), "OUTPUT_DIR": str(output_dir),
+                   "TOTAL_BATCH_SIZE": str(TOTAL_BATCH), "BATCH_SIZE_PER_DEVICE": str(PER_DEVICE)})
+    log = slurm_cluster.jobs_dir / f"{STEP}-{job_id}.out"
+
+    def read_log():
+        return log.read_text(errors="replace") if log.exists() else ""
+
+    def warn():  # what `#SBATCH --signal=B:USR2@300` does 300 s before the time limit
+        result = slurm_cluster.run(["scancel", "--batch", "--signal=USR2", job_id])
+        assert result.returncode == 0, result.stderr
+
+    with slurm_cluster.logs_kept_on_failure():
+        saved = preempt_twice(slurm_cluster, job_id, output_dir, read_log, warn)
+        state = slurm_cluster.wait(job_id, JOB_TIMEOUT_S)
+        output = read_log()
+        assert state == "COMPLETED", output[-4000:]
+        # one log for all three attempts (--open-mode=append), each with its own rendezvous
+        for restart in range(3):
+            assert f"job {job_id} (restart {restart}):" in output and f"id {job_id}-{restart};" in output
+        assert output.count("preemption warning (USR2): forwarding it to the training processes") == 2
+        assert output.count(f"the training saved a checkpoint and stopped: requeueing job {job_id}") == 2
+        for step in saved:
+            assert f"resuming from {output_dir}/checkpoints/step-{step:06d}" in output
+        check_same_as_uninterrupted(output_dir, uninterrupted, saved)
+        assert not (REPO / "injected").exists() and not list(slurm_cluster.jobs_dir.rglob("injected"))
+
+
+def test_submit_py_job_survives_two_preemptions(slurm_cluster, demo, uninterrupted):
+    log_dir = slurm_cluster.jobs_dir / "submitit"
+    output_dir = slurm_cluster.jobs_dir / f"submit {HOSTILE}"
+    job_name = f"chess {HOSTILE}"
+    result = slurm_cluster.run(
+        [sys.executable, "submit.py", "--step", STEP, "--gpus", "2", "--nodes", "2", "--job_name", job_name,
+         "--total_batch_size", str(TOTAL_BATCH), "--batch_size_per_device", str(PER_DEVICE), "--cpus_per_task", "2",
+         "--mem_gb", "2", "--time", "10", "--log_dir", str(log_dir), "--model", str(demo / "model"),
+         "--data_dir", str(demo / "data"), "--output_dir", str(output_dir), "--", *TRAINING, "--overwrite"])
+    assert result.returncode == 0, result.stderr
+    job_id = re.search(r"submitted job (\d+)", result.stdout).group(1)
+    logs = [log_dir / job_id / f"{job_id}_{node}_log.out" for node in (0, 1)]
+
+    def read_log(node=None):
+        """One node's log, or both: rank 0, which reports, may be on either node after a requeue."""
+        if node is None:
+            return read_log(0) + read_log(1)
+        return logs[node].read_text(errors="replace") if logs[node].exists() else ""
+
+    def warn():  # what submitit's `#SBATCH --signal=USR2@300` does 300 s before the time limit
+        result = slurm_cluster.run(["scancel", "--signal=USR2", job_id])
+        assert result.returncode == 0, result.stderr
+
+    with slurm_cluster.logs_kept_on_failure():
+        assert slurm_cluster.run(["squeue", "--noheader", "--states=all", f"--jobs={job_id}",
+                                  "--format=%j"]).stdout == job_name + "\n"
+        saved = preempt_twice(slurm_cluster, job_id, output_dir, read_log, warn)
+        state = slurm_cluster.wait(job_id, JOB_TIMEOUT_S)
+        assert state == "COMPLETED", read_log(0)[-4000:] + "\n" + read_log(1)[-4000:]
+        for node in (0, 1):  # one log per node for all three attempts, each with its own rendezvous
+            for restart in range(3):
+                assert re.search(rf"^node {node} \(.*\), restart {restart}: .* --rdzv-id={job_id}-{restart} ",
+                                 read_log(node), re.MULTILINE), read_log(node)[-4000:]
+        # submitit's checkpoint() runs on the first node only
+        assert read_log(0).count("the training saved a checkpoint and stopped: requeueing") == 2
+        assert "requeueing" not in read_log(1)
+        for step in saved:
+            assert f"resuming from {output_dir}/checkpoints/step-{step:06d}" in read_log()
+        check_same_as_uninterrupted(output_dir, uninterrupted, saved)
+        assert not (REPO / "injected").exists() and not list(slurm_cluster.jobs_dir.rglob("injected"))
