@@ -242,8 +242,9 @@ stop_leftover_job_processes() {
     [[ $pid == "$$" ]] && continue
     # stderr first: processes vanish, and kernel threads have no readable environment
     variables=$(tr '\0' '\n' 2>/dev/null <"$environ") || continue
+    # job processes, and the slurmstepd of a job that outlived its slurmd
     if grep -qxF "SLURM_CONF=$CLUSTER_DIR/slurm.conf" <<<"$variables" \
-      && grep -q '^SLURM_JOB_ID=' <<<"$variables"; then
+      && { grep -q '^SLURM_JOB_ID=' <<<"$variables" || [[ $(cat "/proc/$pid/comm" 2>/dev/null) == slurmstepd ]]; }; then
       pids+=("$pid")
     fi
   done
@@ -254,8 +255,23 @@ stop_leftover_job_processes() {
   kill -KILL "${pids[@]}" 2>/dev/null || true
 }
 
+cancel_jobs() {
+  # Jobs still running (a test that failed half-way) are cancelled while the daemons are up:
+  # stopping slurmd under a running job leaves its slurmstepd processes behind.
+  pid_alive "$CLUSTER_DIR/slurmctld.pid" || return 0
+  export SLURM_CONF=$CLUSTER_DIR/slurm.conf
+  [[ -n $(squeue --noheader --format=%i 2>/dev/null) ]] || return 0
+  scancel --user="$(id -un)" 2>/dev/null || true
+  local _
+  for _ in $(seq 40); do
+    [[ -z $(squeue --noheader --format=%i 2>/dev/null) ]] && return 0
+    sleep 0.5
+  done
+}
+
 down() {
   local pid_file
+  cancel_jobs
   for pid_file in "$CLUSTER_DIR"/slurmd-*.pid "$CLUSTER_DIR/slurmctld.pid"; do
     [[ -e $pid_file ]] && stop_pid_file "$pid_file"
   done
