@@ -58,7 +58,6 @@ def main():
         prepare(path)
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                     "train": train_state(step, scheduler, {"untrained": untrained})}, path / "state.pt")
-        mark_complete(path, args.keep_checkpoints)
 
     def load_checkpoint(path):
         nonlocal start_step, untrained
@@ -141,11 +140,14 @@ def main():
             record.update(evaluate())
             tqdm.write(f"step {step + 1}: eval_loss={record['eval_loss']:.4f} "
                        f"legal_move_rate={record['legal_move_rate']:.3f}")
-        if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.max_steps or preempted:
+        save_now = (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.max_steps or preempted
+        if save_now:
             saving = time.perf_counter()
             save_checkpoint(step + 1)
             record["checkpoint_save_s"] = time.perf_counter() - saving
         metrics.write(record)
+        if save_now:  # only now, with its step on record, does the checkpoint count
+            mark_complete(checkpoint_dir(output_dir, step + 1), args.keep_checkpoints)
         progress.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
         if preempted and step + 1 < args.max_steps:
             metrics.close()

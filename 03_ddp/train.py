@@ -69,7 +69,6 @@ def main():
             prepare(path)
             torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
                         "train": train_state(step, scheduler, {"untrained": untrained})}, path / "state.pt")
-            mark_complete(path, args.keep_checkpoints)
         dist.barrier()  # nobody races ahead (or exits) while rank 0 is still writing
 
     def load_checkpoint(path):
@@ -165,17 +164,21 @@ def main():
             if is_main:
                     tqdm.write(f"step {step + 1}: eval_loss={record['eval_loss']:.4f} "
                            f"legal_move_rate={record['legal_move_rate']:.3f}")
-        if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.max_steps or preempted:
+        save_now = (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.max_steps or preempted
+        if save_now:
             saving = time.perf_counter()
             save_checkpoint(step + 1)
             record["checkpoint_save_s"] = time.perf_counter() - saving
         metrics.write(record)
+        if save_now and is_main:  # only now, with its step on record, does the checkpoint count
+            mark_complete(checkpoint_dir(output_dir, step + 1), args.keep_checkpoints)
         progress.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
         if preempted and step + 1 < args.max_steps:
             metrics.close()
             if is_main:
                 tqdm.write(f"preempted: saved a checkpoint at step {step + 1} in {output_dir}; "
                            "continue with --resume")
+            model = None  # as at the end of main
             dist.destroy_process_group()
             return
     metrics.close()
@@ -188,6 +191,9 @@ def main():
         tokenizer.save_pretrained(output_dir / "final")
         summary = write_summary(output_dir, "03_ddp", metrics.records, untrained, peaks)
         print_summary("03_ddp", summary)
+    # Free DDP's gradient reducer while the process group is alive: freed the other way round, at exit,
+    # a gloo group can deadlock in its destructor (pytorch/pytorch#56297).
+    model = None
     dist.destroy_process_group()
 
 

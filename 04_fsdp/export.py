@@ -16,10 +16,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared `common` package
 
 import torch  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # noqa: E402
 
-from common.checkpoint import MARKER  # noqa: E402
+from common.checkpoint import MARKER, SafeReader, load_sharded  # noqa: E402
 from common.errors import UserError, exit_on_user_error  # noqa: E402
 
 
@@ -40,13 +39,13 @@ def check_paths(checkpoint, out_dir):
 
 def load_model_weights(checkpoint):
     """The full model tensors of a DCP checkpoint, named as in the model's state dict."""
-    metadata = dcp.FileSystemReader(checkpoint).read_metadata()
+    metadata = SafeReader(checkpoint).read_metadata()
     # The checkpoint holds {"model": ..., "optimizer": ...}; allocate full-size tensors for the
     # model's entries and let DCP fill them from every rank's pieces.
     state = {key.removeprefix("model."): torch.empty(entry.size, dtype=entry.properties.dtype)
              for key, entry in metadata.state_dict_metadata.items()
              if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)}
-    dcp.load({"model": state}, checkpoint_id=checkpoint, no_dist=True)  # one process reads every rank's pieces
+    load_sharded({"model": state}, checkpoint, no_dist=True)  # one process reads every rank's pieces
     return state
 
 

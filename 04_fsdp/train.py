@@ -26,8 +26,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from common.checkpoint import (checkpoint_dir, load_file, load_newest, mark_complete, prepare,  # noqa: E402
-                               restore_rng, stop_if_not_finite, train_state, TRAIN_STATE)
+from common.checkpoint import (checkpoint_dir, load_file, load_newest, load_sharded, mark_complete,  # noqa: E402
+                               prepare, restore_rng, stop_if_not_finite, train_state, TRAIN_STATE)
 from common.chess_eval import game_prefixes, legal_move_sums, validation_loss_sums  # noqa: E402
 from common.data import GlobalBatchSampler, count_loss_tokens, load_rows, loss_sum, make_loader  # noqa: E402
 from common.errors import UserError, exit_on_user_error  # noqa: E402
@@ -243,14 +243,13 @@ def main():
             tokenizer.save_pretrained(path)
             if args.lora:
                 model.peft_config["default"].save_pretrained(path)
-            mark_complete(path, args.keep_checkpoints)
         dist.barrier()
 
     def load_checkpoint(path):
         nonlocal start_step, untrained
         model_state, optimizer_state = get_state_dict(model, optimizer, options=state_options)
         state = {"model": model_state, "optimizer": optimizer_state}
-        dcp.load(state, checkpoint_id=path)  # each rank reads what its shards need
+        load_sharded(state, path)  # each rank reads what its shards need
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                        options=state_options)
         train = load_file(path / TRAIN_STATE)
@@ -345,17 +344,21 @@ def main():
             if is_main:
                     tqdm.write(f"step {step + 1}: eval_loss={record['eval_loss']:.4f} "
                            f"legal_move_rate={record['legal_move_rate']:.3f}")
-        if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.max_steps or preempted:
+        save_now = (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.max_steps or preempted
+        if save_now:
             saving = time.perf_counter()
             save_checkpoint(step + 1)
             record["checkpoint_save_s"] = time.perf_counter() - saving
         metrics.write(record)
+        if save_now and is_main:  # only now, with its step on record, does the checkpoint count
+            mark_complete(checkpoint_dir(output_dir, step + 1), args.keep_checkpoints)
         progress.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
         if preempted and step + 1 < args.max_steps:
             metrics.close()
             if is_main:
                 tqdm.write(f"preempted: saved a checkpoint at step {step + 1} in {output_dir}; "
                            "continue with --resume")
+            model = None  # as at the end of main
             dist.destroy_process_group()
             return
     metrics.close()
@@ -372,6 +375,9 @@ def main():
         tokenizer.save_pretrained(output_dir / "final")
         summary = write_summary(output_dir, "04_fsdp", metrics.records, untrained, peaks)
         print_summary("04_fsdp", summary)
+    # Free the sharded model while the process group is alive: freed the other way round, at exit,
+    # a gloo group can deadlock in its destructor (pytorch/pytorch#56297).
+    model = None
     dist.destroy_process_group()
 
 

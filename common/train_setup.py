@@ -94,8 +94,12 @@ def check_arguments(args, world_size=1):
         output_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise UserError(f"cannot create --output_dir {output_dir}: {err.strerror}") from None
-    if not os.access(output_dir, os.W_OK):
-        raise UserError(f"--output_dir {output_dir} is not writable: choose another directory")
+    probe = output_dir / f".write-test-{os.getpid()}"  # a real write: os.access says yes to root, always
+    try:
+        probe.touch()
+        probe.unlink()
+    except OSError as err:
+        raise UserError(f"--output_dir {output_dir} is not writable ({err.strerror}): choose another directory") from None
     if (output_dir / "metrics.jsonl").exists() and not (args.overwrite or args.resume):
         raise UserError(f"{output_dir} already holds a run: pass --resume to continue it, --overwrite "
                         "to replace it, or choose another --output_dir")
@@ -132,11 +136,12 @@ def load_model(name, trust_remote_code=False, **kwargs):
     """The same Hugging Face path for CodeLlama-7b and the demo model: AutoModelForCausalLM.
     Weights stay fp32 here: mixed precision is applied per step, never by casting the model.
     Code shipped inside a model directory runs only with --trust_remote_code."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
     try:
         return AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, trust_remote_code=trust_remote_code,
                                                     **kwargs)
-    except (OSError, ValueError, RuntimeError) as err:
+    except (OSError, ValueError, RuntimeError, SafetensorError) as err:  # missing, or damaged
         raise UserError(model_missing_message(name, err)) from None
 
 
