@@ -11,6 +11,7 @@ again downloads nothing. The demo builds a tiny Llama with a one-token-per-move 
 uses the chess sample shipped with the repo (made by make_chess_sample.py).
 """
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -40,14 +41,20 @@ def games_from_parquet(path):
     return [" ".join(moves) for moves in table.column("Moves").to_pylist() if moves]
 
 
-def write_jsonl(games, path):
+def write_atomically(path, lines):
     """Written to a temporary name first, so an interrupted run never leaves half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".partial")
-    with partial.open("w", encoding="utf-8") as out:
-        for game in games:
-            out.write(json.dumps({"text": game}) + "\n")
-    os.replace(partial, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with partial.open("w", encoding="utf-8") as out:
+            out.writelines(lines)
+        os.replace(partial, path)
+    except OSError as err:
+        raise UserError(f"cannot write {path} ({err.strerror}): check the --out directory and the free space") from None
+
+
+def write_jsonl(games, path):
+    write_atomically(path, (json.dumps({"text": game}) + "\n" for game in games))
 
 
 def write_splits(games, data_dir, validation_games):
@@ -61,6 +68,27 @@ def write_splits(games, data_dir, validation_games):
 
 
 # ---- the real download (login node, internet) ---------------------------------------------------
+
+@contextlib.contextmanager
+def hub_errors(kind, repo_id):
+    """The hub's answers a user can act on, as one line instead of a traceback."""
+    import httpx
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError)
+    try:
+        yield
+    except GatedRepoError:
+        raise UserError(f"the {kind} {repo_id} is gated: accept its conditions on its hub page, then set HF_TOKEN "
+                        "to a token of that account (huggingface.co/settings/tokens)") from None
+    except RepositoryNotFoundError:
+        raise UserError(f"no {kind} {repo_id} on {constants.ENDPOINT}: check the spelling (--{kind} "
+                        "org/name, e.g. codellama/CodeLlama-7b-hf); a private one also needs HF_TOKEN") from None
+    except (HfHubHTTPError, LocalEntryNotFoundError, httpx.TransportError) as err:  # refused, or unreachable
+        reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+        raise UserError(f"cannot download the {kind} {repo_id} from {constants.ENDPOINT} ({reason}): run this "
+                        "on a machine with internet (a login node), or check HF_ENDPOINT and proxies") from None
+
 
 def download_model(repo_id, cache_dir):
     """The model snapshot in the Hugging Face cache. A complete cached copy is used as is."""
@@ -95,15 +123,22 @@ def download(args):
     out = Path(args.out)
     data_dir = out / "data"
     wanted = {"dataset": args.dataset, "games": args.games, "validation_games": args.validation_games}
-    model_dir = download_model(args.model, args.cache_dir)
+    with hub_errors("model", args.model):
+        model_dir = download_model(args.model, args.cache_dir)
+    # download.json says which request the jsonl files answer. It is written last, and removed
+    # before they are rewritten: an interrupted run then leaves no manifest that could vouch
+    # for files of a different request.
     manifest_path = data_dir / "download.json"
-    if manifest_path.is_file() and json.loads(manifest_path.read_text()).get("request") == wanted:
+    splits_there = all((data_dir / name).is_file() for name in ("train.jsonl", "validation.jsonl"))
+    if splits_there and manifest_path.is_file() and json.loads(manifest_path.read_text()).get("request") == wanted:
         print(f"games already in {data_dir}", flush=True)
     else:
         print(f"downloading {args.games} games of {args.dataset} ...", flush=True)
-        games = download_games(args.dataset, args.games, args.cache_dir)
+        with hub_errors("dataset", args.dataset):
+            games = download_games(args.dataset, args.games, args.cache_dir)
+        manifest_path.unlink(missing_ok=True)
         counts = write_splits(games, data_dir, args.validation_games)
-        manifest_path.write_text(json.dumps({"request": wanted, **counts}, indent=1))
+        write_atomically(manifest_path, [json.dumps({"request": wanted, **counts}, indent=1)])
     if args.cache_dir:  # the hub cache itself (models--*/ inside): HF_HUB_CACHE names that, HF_HOME the folder above
         cache = "HF_HUB_CACHE=" + shlex.quote(str(Path(args.cache_dir).expanduser().resolve()))
     else:

@@ -267,6 +267,58 @@ def test_counts_that_leave_no_training_games_are_refused_before_downloading(hub,
     assert hub.requests == [] and not (tmp_path / "home" / "hub").exists()
 
 
+@pytest.mark.parametrize("args, words", [
+    (["--model", "tiny-org/tiny-lama"], "no model tiny-org/tiny-lama on http"),
+    (["--dataset", "chess-org/strategic_game_chez"], "no dataset chess-org/strategic_game_chez on http"),
+], ids=["model", "dataset"])
+def test_mistyped_hub_id_gives_one_error_line(hub, tmp_path, args, words):
+    line = one_error_line(run_download(hub, tmp_path / "home", tmp_path / "out", "--games", 12,
+                                       "--validation_games", 2, *args))
+    assert words in line and "check the spelling" in line
+    assert not (tmp_path / "out" / "data").exists()
+
+
+def test_unreachable_hub_gives_one_error_line(tmp_path):
+    """No hub at the address (a compute node without internet): one line, not a traceback."""
+    import socket
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    result = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "out"), "--model", MODEL_ID],
+                            capture_output=True, text=True, timeout=120,
+                            env=clean_env(HF_HOME=str(tmp_path / "home"), HF_ENDPOINT=f"http://127.0.0.1:{port}"))
+    line = one_error_line(result)
+    assert f"cannot download the model {MODEL_ID}" in line and "login node" in line
+
+
+def test_interrupted_rewrite_never_leaves_a_manifest_that_vouches_for_other_data(hub, tmp_path):
+    """download.json says which request the jsonl files answer. A run for another request that
+    fails after replacing train.jsonl (here: validation.jsonl cannot be written) must not leave
+    the old manifest behind, or the next run of the old request would take the new games as its own."""
+    home, out = tmp_path / "home", tmp_path / "out"
+    succeeded(run_download(hub, home, out, "--games", 20, "--validation_games", 5))
+    blocker = out / "data" / "validation.partial"  # where validation.jsonl is written first
+    blocker.mkdir()
+    line = one_error_line(run_download(hub, home, out, "--games", 12, "--validation_games", 2))
+    assert "cannot write" in line and "validation.jsonl" in line
+    assert read_games(out / "data/train.jsonl") == hub.games[:10]  # the other request's games are there now
+    blocker.rmdir()
+    again = succeeded(run_download(hub, home, out, "--games", 20, "--validation_games", 5))
+    assert "games already in" not in again.stdout
+    assert read_games(out / "data/train.jsonl") == hub.games[:15]
+    assert read_games(out / "data/validation.jsonl") == hub.games[15:20]
+    assert "games already in" in succeeded(run_download(hub, home, out, "--games", 20, "--validation_games", 5)).stdout
+
+
+def test_deleted_data_file_is_downloaded_again(hub, tmp_path):
+    home, out = tmp_path / "home", tmp_path / "out"
+    succeeded(run_download(hub, home, out, "--games", 12, "--validation_games", 2))
+    (out / "data/validation.jsonl").unlink()
+    again = succeeded(run_download(hub, home, out, "--games", 12, "--validation_games", 2))
+    assert "games already in" not in again.stdout
+    assert read_games(out / "data/validation.jsonl") == hub.games[10:12]
+
+
 # ---- the built-in tiny default -----------------------------------------------------------------
 
 def test_demo_builds_a_tiny_model_and_data_without_network(hub, tmp_path):
