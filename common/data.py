@@ -9,7 +9,9 @@ import functools
 import hashlib
 import json
 import os
+import pickle
 import re
+import sys
 from pathlib import Path
 
 import torch
@@ -18,6 +20,9 @@ from common.errors import UserError
 
 UCI_MOVE = re.compile(r"^[a-h][1-8][a-h][1-8][qrbn]?$")
 IGNORE_INDEX = -100  # labels with this value add nothing to the loss (padding)
+# No legal game is longer than 8,848½ moves (the 75-move rule ends it): a longer line is not one game.
+MAX_PLIES = 17_697
+ROWS_FORMAT = 2  # part of the cache key: bump when build_rows changes what it makes
 
 
 def read_games(path):
@@ -27,8 +32,13 @@ def read_games(path):
         raise UserError(f"{path} does not exist: run `python 01_download/download.py --demo --out demo` "
                         "(or the real download) first, or pass --data_dir")
     games = []
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
+    with path.open("rb") as lines:  # bytes, so that a line that is not UTF-8 can be named
+        for number, raw in enumerate(lines, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise UserError(f"{path}:{number}: not UTF-8 text; is this the JSONL file the download "
+                                "step wrote?") from None
             if not line.strip():
                 continue
             try:
@@ -43,6 +53,9 @@ def read_games(path):
             bad = next((move for move in moves if not UCI_MOVE.match(move)), None)
             if bad is not None:
                 raise UserError(f"{path}:{number}: {bad!r} is not a UCI move (like e2e4 or e7e8q)")
+            if len(moves) > MAX_PLIES:
+                raise UserError(f"{path}:{number}: {len(moves):,} moves, more than any chess game can have "
+                                f"({MAX_PLIES:,}): are several games on one line? Write one game per line")
             games.append(" ".join(moves))
     if not games:
         raise UserError(f"{path} holds no games: re-run the download step")
@@ -57,11 +70,16 @@ def tokenize_games(games, tokenizer):
 
 
 def build_rows(games, tokenizer, max_seq_length, pack):
-    """Training rows. Packed: games concatenated and cut into full rows (no padding at all).
-    Unpacked: one game per row, cut at max_seq_length, padded later per micro-batch."""
+    """Training rows. Games longer than a row are split, never cut short: the tail of a long game
+    (how it ends) is worth as much as its opening.
+    Packed: games concatenated and cut into full rows (no padding at all; a game continues in
+    the next row). Unpacked: one game per row, padded later per micro-batch; a game longer than
+    max_seq_length continues in rows of its own."""
     games = tokenize_games(games, tokenizer)
     if not pack:
-        return [torch.tensor(game[:max_seq_length]) for game in games]
+        return [torch.tensor(game[start: start + max_seq_length]) for game in games
+                for start in range(0, len(game), max_seq_length)
+                if len(game) - start > 1]  # a lone last token has nothing to predict
     stream = torch.tensor([token for game in games for token in game])
     full_rows = len(stream) // max_seq_length
     return list(stream[: full_rows * max_seq_length].view(full_rows, max_seq_length))
@@ -72,10 +90,14 @@ def load_rows(data_file, tokenizer, max_seq_length, pack, cache_dir):
     so a change to any of them re-tokenizes instead of reusing stale rows."""
     games = read_games(data_file)
     key = hashlib.sha256(json.dumps(
-        [games, tokenizer.name_or_path, len(tokenizer), max_seq_length, pack]).encode()).hexdigest()[:16]
+        [games, tokenizer.name_or_path, len(tokenizer), max_seq_length, pack, ROWS_FORMAT]).encode()).hexdigest()[:16]
     cache = Path(cache_dir) / f"{Path(data_file).stem}-{key}.pt"
     if cache.is_file():
-        return torch.load(cache, weights_only=True), games
+        try:  # weights_only: a cache file (in a shared data dir) cannot run code, only be refused
+            return torch.load(cache, weights_only=True), games
+        except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as err:
+            reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+            print(f"warning: {cache} is unreadable ({reason}): tokenizing again", file=sys.stderr, flush=True)
     rows = build_rows(games, tokenizer, max_seq_length, pack)
     cache.parent.mkdir(parents=True, exist_ok=True)
     partial = cache.with_suffix(f".tmp{os.getpid()}")

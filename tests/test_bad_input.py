@@ -1,39 +1,77 @@
-"""Mistakes a user makes get one clear `error:` line and a non-zero exit, not a traceback."""
+"""Bad input: one clear `error:` line that says what to do, a non-zero exit, and nothing on disk
+lost. Each refused case runs against an output directory that already holds a finished run,
+with --resume (so a run that went ahead would write there): afterwards every file of that run
+must be unchanged, byte for byte. Damaged checkpoints are not refused but survived: --resume
+falls back to the previous complete one, says so, and still ends where the uninterrupted run ends.
+"""
 import json
+import math
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import demo_args, run_step
+from conftest import REPO, assert_same_run, demo_args, read_metrics, run_step
+
+sys.path.insert(0, str(REPO))  # common.data, for the row-splitting test
+
+SPLITS = {"single": (1, ["--batch_size_per_device", 2, "--gradient_accumulation_steps", 4]),
+          "ddp": (2, ["--batch_size_per_device", 2, "--gradient_accumulation_steps", 2]),
+          "fsdp": (2, ["--batch_size_per_device", 2, "--gradient_accumulation_steps", 2])}
 
 
 def one_error_line(result):
-    assert result.returncode != 0
+    assert result.returncode != 0, result.stdout[-2000:]
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith("error: ")]
-    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     return errors[0]
 
 
-def run_single(demo, tmp_path, *extra, model=None, data_dir=None):
-    args = demo_args(demo, tmp_path / "out") + ["--max_steps", 2, *extra]
+def launcher_error_line(result):
+    """Under torchrun every rank reports the same error, and torchrun adds its own summary
+    (a traceback of torchrun itself); none of our code may end in a traceback."""
+    assert result.returncode != 0, result.stdout[-2000:]
+    errors = {line for line in result.stderr.splitlines() if line.startswith("error: ")}
+    assert len(errors) == 1, result.stderr[-3000:]
+    assert 'train.py", line' not in result.stderr and "[rank0]: Traceback" not in result.stderr, result.stderr[-3000:]
+    return errors.pop()
+
+
+def snapshot(folder):
+    return {path.relative_to(folder).as_posix(): path.read_bytes() for path in sorted(Path(folder).rglob("*"))
+            if path.is_file()}
+
+
+@pytest.fixture(scope="module")
+def existing_run(demo, tmp_path_factory):
+    """A finished run (metrics, checkpoints, final model, summary) that no mistake may touch."""
+    output_dir = tmp_path_factory.mktemp("existing") / "run"
+    run_step("single", demo_args(demo, output_dir) + ["--max_steps", 2, "--save_every", 1])
+    return output_dir
+
+
+def refused(demo, existing_run, *extra, model=None, data_dir=None, resume=True):
+    """Run step 2 on top of the existing run; return its one error line after checking that the
+    run's files are exactly as before."""
+    before = snapshot(existing_run)
+    args = demo_args(demo, existing_run) + ["--max_steps", 4, *(["--resume"] if resume else []), *extra]
     if model is not None:
         args[1] = model
     if data_dir is not None:
         args[3] = data_dir
-    return run_step("single", args, check=False)
+    line = one_error_line(run_step("single", args, check=False))
+    after = snapshot(existing_run)
+    assert after.keys() == before.keys(), set(after) ^ set(before)
+    assert [name for name in before if after[name] != before[name]] == [], "files of the existing run changed"
+    return line
 
 
-def test_missing_model_names_the_download_command(demo, tmp_path):
-    line = one_error_line(run_single(demo, tmp_path, model=tmp_path / "no-such-model"))
-    assert "no-such-model" in line and "01_download/download.py" in line
-
-
-def test_missing_data_names_the_download_command(demo, tmp_path):
-    line = one_error_line(run_single(demo, tmp_path, data_dir=tmp_path / "nowhere"))
-    assert "train.jsonl" in line and "01_download/download.py" in line
-
+# ---- data ------------------------------------------------------------------------------------
 
 def data_copy(demo, tmp_path):
     data = tmp_path / "data"
@@ -41,56 +79,229 @@ def data_copy(demo, tmp_path):
     return data
 
 
-def test_malformed_jsonl_line_is_named_with_file_and_line(demo, tmp_path):
+def replace_line(path, number, text):
+    lines = path.read_bytes().splitlines()
+    lines[number - 1] = text if isinstance(text, bytes) else text.encode()
+    path.write_bytes(b"\n".join(lines) + b"\n")
+
+
+BAD_DATA = {
+    "malformed-json": ("train.jsonl", 7, '{"text": "e2e4 e7e5', "train.jsonl:7: not valid JSON"),
+    "not-an-object": ("train.jsonl", 3, '["e2e4", "e7e5"]', "train.jsonl:3: expected"),
+    "wrong-key": ("train.jsonl", 3, '{"moves": "e2e4 e7e5"}', "train.jsonl:3: expected"),
+    "not-uci": ("train.jsonl", 5, json.dumps({"text": "1. e4 e5 2. Nf3"}), "'1.' is not a UCI move"),
+    "san-moves": ("validation.jsonl", 2, json.dumps({"text": "e4 e5 Nf3 Nc6"}), "'e4' is not a UCI move"),
+    "not-utf8": ("train.jsonl", 4, b'{"text": "e2e4 \xff\xfe"}', "train.jsonl:4: not UTF-8"),
+    # newlines lost: many games on one line, longer than any legal chess game
+    "games-run-together": ("train.jsonl", 2, json.dumps({"text": " ".join(["g1f3 g8f6 f3g1 f6g8"] * 5000)}),
+                           "train.jsonl:2: 20,000 moves, more than any chess game"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_DATA)
+def test_bad_data_line_is_named_with_file_and_line(demo, tmp_path, existing_run, case):
+    name, number, text, words = BAD_DATA[case]
     data = data_copy(demo, tmp_path)
-    lines = (data / "train.jsonl").read_text().splitlines()
-    lines[6] = '{"text": "e2e4 e7e5'  # cut short
-    (data / "train.jsonl").write_text("\n".join(lines) + "\n")
-    line = one_error_line(run_single(demo, tmp_path, data_dir=data))
-    assert "train.jsonl:7" in line
+    replace_line(data / name, number, text)
+    assert words in refused(demo, existing_run, data_dir=data)
 
 
-def test_text_that_is_not_uci_moves_is_refused(demo, tmp_path):
+@pytest.mark.parametrize("content", ["", "\n\n  \n"], ids=["empty", "blank-lines"])
+def test_empty_dataset_is_refused(demo, tmp_path, existing_run, content):
     data = data_copy(demo, tmp_path)
-    with (data / "train.jsonl").open("a") as out:
-        out.write(json.dumps({"text": "1. e4 e5 2. Nf3"}) + "\n")
-    assert "not a UCI move" in one_error_line(run_single(demo, tmp_path, data_dir=data))
+    (data / "train.jsonl").write_text(content)
+    assert "holds no games" in refused(demo, existing_run, data_dir=data)
 
 
-def test_empty_dataset_is_refused(demo, tmp_path):
-    data = data_copy(demo, tmp_path)
-    (data / "train.jsonl").write_text("")
-    assert "no games" in one_error_line(run_single(demo, tmp_path, data_dir=data))
+def test_missing_data_names_the_download_command(demo, tmp_path, existing_run):
+    line = refused(demo, existing_run, data_dir=tmp_path / "nowhere")
+    assert "train.jsonl" in line and "01_download/download.py" in line
 
+
+def test_long_games_are_split_over_rows_not_cut(demo):
+    """A game longer than a row is not an error (real games often are): packed, it continues in
+    the next row; unpacked, in rows of its own. Either way every token is trained on."""
+    from transformers import AutoTokenizer
+
+    from common.data import build_rows, read_games, tokenize_games
+    tokenizer = AutoTokenizer.from_pretrained(demo / "model")
+    games = read_games(demo / "data/validation.jsonl")[:20]
+    tokens = tokenize_games(games, tokenizer)
+    row = 16
+    assert max(len(game) for game in tokens) > 3 * row  # really longer than a row
+    unpacked = build_rows(games, tokenizer, row, pack=False)
+    assert all(len(r) <= row for r in unpacked)
+    # every game's tokens, in order, minus at most a lone last token per game
+    expected = [game[start: start + row] for game in tokens for start in range(0, len(game), row)
+                if len(game) - start > 1]
+    assert [r.tolist() for r in unpacked] == expected
+    packed = build_rows(games, tokenizer, row, pack=True)
+    stream = [t for game in tokens for t in game]
+    assert torch.cat(packed).tolist() == stream[: len(packed) * row] and len(stream) - len(packed) * row < row
+
+
+# ---- model files -----------------------------------------------------------------------------
+
+def model_copy(demo, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(demo / "model", model)
+    return model
+
+
+def truncate(path, keep=0.5):
+    os.truncate(path, int(path.stat().st_size * keep))
+
+
+BAD_MODEL = {
+    "missing-folder": lambda model: shutil.rmtree(model),
+    "no-weights": lambda model: (model / "model.safetensors").unlink(),
+    "truncated-weights": lambda model: truncate(model / "model.safetensors"),
+    "weights-not-safetensors": lambda model: (model / "model.safetensors").write_bytes(b"\x00" * 4096),
+    "config-not-json": lambda model: (model / "config.json").write_text('{"model_type": "llama", '),
+    "no-tokenizer": lambda model: [(model / name).unlink() for name in ("tokenizer.json", "tokenizer_config.json")],
+}
+
+
+@pytest.mark.parametrize("case", BAD_MODEL)
+def test_missing_or_damaged_model_files(demo, tmp_path, existing_run, case):
+    model = model_copy(demo, tmp_path)
+    BAD_MODEL[case](model)
+    line = refused(demo, existing_run, model=model)
+    assert str(model) in line and ("download" in line), line
+
+
+# ---- the output directory --------------------------------------------------------------------
+
+def test_output_dir_with_a_run_is_not_overwritten_without_resume_or_overwrite(demo, existing_run):
+    line = refused(demo, existing_run, resume=False)
+    assert "already holds a run" in line and "--resume" in line and "--overwrite" in line
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "is-a-file", "read-only-place", "read-only-existing"])
+def test_unwritable_output_dir(demo, tmp_path, where):
+    """Root may write anywhere os.access is asked about, so the cases are ones root cannot write
+    either: a path through a regular file, and sysfs (read-only for everyone)."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a directory\n")
+    output_dir = {"under-a-file": a_file / "run", "is-a-file": a_file, "read-only-place": Path("/sys/kit-test-run"),
+                  "read-only-existing": Path("/sys/kernel")}[where]
+    if where.startswith("read-only") and not Path("/sys/kernel").is_dir():
+        pytest.skip("no sysfs here")
+    line = one_error_line(run_step("single", demo_args(demo, output_dir) + ["--max_steps", 1], check=False))
+    assert str(output_dir) in line and ("cannot create" in line or "not writable" in line), line
+    assert a_file.read_text() == "not a directory\n"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a mode 555 directory anyway")
+def test_output_dir_without_write_permission(demo, tmp_path):
+    output_dir = tmp_path / "locked"
+    output_dir.mkdir(mode=0o555)
+    line = one_error_line(run_step("single", demo_args(demo, output_dir) + ["--max_steps", 1], check=False))
+    assert "not writable" in line
+
+
+# ---- batch arithmetic ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("flags, words", [
     (["--batch_size_per_device", 0], "--batch_size_per_device"),
     (["--gradient_accumulation_steps", 0], "--gradient_accumulation_steps"),
     (["--batch_size_per_device", 100_000], "one global batch needs"),
     (["--warmup_steps", 10], "--warmup_steps"),
+    (["--max_seq_length", 4], "--max_seq_length"),
+    (["--learning_rate", 0], "--learning_rate"),
 ])
-def test_batch_settings_that_do_not_fit(demo, tmp_path, flags, words):
-    assert words in one_error_line(run_single(demo, tmp_path, *flags))
+def test_batch_settings_that_do_not_fit(demo, existing_run, flags, words):
+    assert words in refused(demo, existing_run, *flags)
 
 
-def test_more_ranks_than_data_is_refused_by_every_launcher(demo, tmp_path):
-    result = run_step("ddp", demo_args(demo, tmp_path) + ["--max_steps", 1, "--batch_size_per_device", 100_000],
-                      nproc=2, check=False)
-    assert result.returncode != 0
-    assert "error: the data has" in result.stderr
-    assert 'train.py", line' not in result.stderr  # torchrun's own report, but no traceback of ours
+def test_more_ranks_than_data(demo, tmp_path):
+    """4 ranks, 2 short games: not even one row per rank."""
+    data = data_copy(demo, tmp_path)
+    (data / "train.jsonl").write_text('{"text": "e2e4 e7e5 g1f3"}\n{"text": "d2d4 d7d5"}\n')
+    args = demo_args(demo, tmp_path / "run") + ["--max_steps", 1, "--no_packing", "--batch_size_per_device", 1]
+    args[3] = data
+    line = launcher_error_line(run_step("ddp", args, nproc=4, check=False))
+    assert "the data has 2 rows but one global batch needs 4" in line and "4 ranks" in line
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
-def test_cuda_without_a_gpu(demo, tmp_path):
-    assert "--device cuda" in one_error_line(run_single(demo, tmp_path, "--device", "cuda"))
+def test_cuda_without_a_gpu(demo, existing_run):
+    assert "--device cuda" in refused(demo, existing_run, "--device", "cuda")
 
+
+# ---- a loss that is not a number -------------------------------------------------------------
+
+def test_diverging_loss_stops_and_keeps_the_last_good_checkpoint(demo, tmp_path):
+    """A learning rate of 1e30: step 1 is fine, its update blows the weights up, step 2's loss is
+    not finite. The run stops there, names the last good checkpoint, and saves nothing after it."""
+    output_dir = tmp_path / "run"
+    args = demo_args(demo, output_dir) + ["--max_steps", 6, "--save_every", 1, "--learning_rate", 1e30,
+                                          "--warmup_steps", 0]
+    line = one_error_line(run_step("single", args, check=False))
+    assert "loss is" in line and "at step 2" in line and "step-000001" in line and "--learning_rate" in line, line
+    assert [r["step"] for r in read_metrics(output_dir)] == [1]
+    assert sorted(p.name for p in (output_dir / "checkpoints").iterdir()) == ["step-000001"]
+    assert not (output_dir / "final").exists()
+    assert math.isfinite(read_metrics(output_dir)[0]["loss"])
+
+
+@pytest.mark.parametrize("step", ["single", "ddp"])
+def test_nan_in_the_model_weights_stops_at_the_first_step(demo, tmp_path, step):
+    from safetensors.torch import load_file, save_file
+    model = model_copy(demo, tmp_path)
+    weights = load_file(model / "model.safetensors")
+    name = next(k for k in weights if "layers.1.mlp.down_proj" in k)
+    weights[name][0, 0] = float("nan")
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    nproc, split = SPLITS[step]
+    args = demo_args(demo, tmp_path / "run") + ["--max_steps", 2, "--save_every", 1, *split]
+    args[1] = model
+    result = run_step(step, args, nproc=nproc, check=False)
+    line = one_error_line(result) if step == "single" else launcher_error_line(result)
+    assert "loss is nan at step 1" in line and "no checkpoint was saved yet" in line, line
+    assert not (tmp_path / "run/checkpoints").exists() or not any((tmp_path / "run/checkpoints").iterdir())
+    assert not (tmp_path / "run/final").exists()
+
+
+# ---- damaged checkpoints: fall back, say so, end up where the uninterrupted run does ------------
+
+def damage_newest(output_dir, step):
+    """The newest checkpoint, complete but with a file truncated on disk afterwards (a full disk,
+    a copy cut short); and a newer one that was never completed (a save killed halfway)."""
+    newest = sorted((output_dir / "checkpoints").iterdir())[-1]
+    victim = newest / ("state.pt" if step != "fsdp" else "__1_0.distcp")
+    assert victim.is_file(), sorted(p.name for p in newest.iterdir())
+    truncate(victim, keep=0.3)
+    incomplete = output_dir / "checkpoints" / "step-000099"
+    incomplete.mkdir()
+    (incomplete / victim.name).write_bytes(b"half a checkpoint")
+    return newest
+
+
+@pytest.mark.parametrize("step", SPLITS)
+def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(demo, tmp_path_factory, step):
+    nproc, split = SPLITS[step]
+    run = ["--max_steps", 4, "--save_every", 1, "--keep_checkpoints", 4, *split]
+    reference = tmp_path_factory.mktemp(f"uninterrupted-{step}") / "run"
+    run_step(step, demo_args(demo, reference) + run, nproc=nproc)
+    # The same run as if it had been killed after its 4th checkpoint: no final model yet.
+    damaged = tmp_path_factory.mktemp(f"damaged-{step}") / "run"
+    shutil.copytree(reference, damaged, ignore=shutil.ignore_patterns("final", "summary.json"))
+    newest = damage_newest(damaged, step)
+    result = run_step(step, demo_args(demo, damaged) + run + ["--resume"], nproc=nproc)
+    said = result.stdout + result.stderr
+    warnings = {line for line in result.stderr.splitlines() if line.startswith("warning: ")}
+    assert len(warnings) == 1, result.stderr[-3000:]
+    warning = warnings.pop()
+    assert f"checkpoint {newest} is unreadable" in warning and "falling back" in warning, warning
+    assert f"resuming from {damaged / 'checkpoints' / 'step-000003'}" in said, said[-3000:]
+    assert_same_run(reference, damaged, tolerance=1e-6)
+
+
+# ---- every script -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("script", ["01_download/download.py", "02_singlegpu/train.py", "03_ddp/train.py",
                                     "04_fsdp/train.py"])
 def test_every_script_answers_help(script):
-    import subprocess
-    import sys
-    from conftest import REPO
     result = subprocess.run([sys.executable, str(REPO / script), "--help"], capture_output=True, text=True)
     assert result.returncode == 0 and "usage:" in result.stdout
