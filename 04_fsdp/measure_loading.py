@@ -10,6 +10,7 @@ extra memory the load needed. The peak is the kernel's high-water mark (VmHWM), 
 current RSS just before the load.
 """
 import argparse
+import gc
 import importlib.util
 import json
 import os
@@ -65,7 +66,10 @@ def measure_one_rank(method, model_dir):
                "shard_mib": round(shard_bytes / 2**20, 1), "model_mib": round(model_bytes / 2**20, 1)}
     gathered = [None] * world_size
     dist.all_gather_object(gathered, figures)
-    del model  # before the process group: the other way round, gloo can abort at exit (pytorch#56297)
+    # Free the model before the process group (the other way round, gloo can abort at exit,
+    # pytorch#56297); FSDP modules sit in reference cycles, so only the garbage collector frees them.
+    del model
+    gc.collect()
     dist.destroy_process_group()
     return gathered
 

@@ -8,6 +8,7 @@ keeps 1/world_size of them, gathers a layer's full weights just before the layer
 them after, and reduce-scatters the gradients so each rank receives only its own shard.
 The data, loss and optimiser step are those of steps 2 and 3.
 """
+import gc
 import os
 import sys
 import time
@@ -359,6 +360,7 @@ def main():
                 tqdm.write(f"preempted: saved a checkpoint at step {step + 1} in {output_dir}; "
                            "continue with --resume")
             model = None  # as at the end of main
+            gc.collect()
             dist.destroy_process_group()
             return
     metrics.close()
@@ -376,8 +378,10 @@ def main():
         summary = write_summary(output_dir, "04_fsdp", metrics.records, untrained, peaks)
         print_summary("04_fsdp", summary)
     # Free the sharded model while the process group is alive: freed the other way round, at exit,
-    # a gloo group can deadlock in its destructor (pytorch/pytorch#56297).
+    # a gloo group can deadlock or abort in its destructor (pytorch/pytorch#56297). FSDP modules
+    # sit in reference cycles, so dropping the name is not enough: the garbage collector frees them.
     model = None
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -8,6 +8,7 @@ Writes {configuration: [bytes of rank 0, rank 1, ...]} (parameters + gradients +
 the three parts separately. Tensors only: no allocator slack, no DDP gradient buckets.
 """
 import argparse
+import gc
 import importlib.util
 import json
 import sys
@@ -84,6 +85,8 @@ def main():
                          **{part: [p[part] for p in per_rank] for part in parts}}
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps({"world_size": world_size, "bytes_per_rank": results}, indent=1) + "\n")
+    del model, optimizer
+    gc.collect()  # the sharded models (reference cycles) go before the process group, as in 04_fsdp/train.py
     dist.destroy_process_group()
 
 
