@@ -4,12 +4,16 @@ transformer_layer_cls_to_wrap), launched with torchrun).
 
     torchrun --nproc-per-node 2 benchmark/hf_trainer_fsdp.py --output_dir runs/hf_trainer
 
-Same model, same token rows (common.data, packed), same global batch, AdamW settings and
-schedule as 04_fsdp. It writes metrics.jsonl and summary.json with the same fields as the
-step scripts, so benchmark/run.py reads both the same way. Tokens are counted the same way
-too: loss-bearing tokens only (non-padding tokens minus each row's first, which nothing predicts).
+Same model, same games, same global batch of rows, AdamW settings and schedule as 04_fsdp.
+By default the data is prepared as the SageMaker examples do: one game per row, padded per
+micro-batch (they tokenize each example and pad; they do not pack). `--packing` feeds the
+Trainer 04_fsdp's packed rows instead, which leaves only the training loops to compare. It
+writes metrics.jsonl and summary.json with the same fields as the step scripts, so
+benchmark/run.py reads both the same way. Tokens are counted the same way too: loss-bearing
+tokens only (non-padding tokens minus each row's first, which nothing predicts).
 """
 import argparse
+import functools
 import json
 import os
 import resource
@@ -22,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared `comm
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from common.data import load_rows  # noqa: E402
+from common.data import collate, load_rows  # noqa: E402
 from common.errors import exit_on_user_error  # noqa: E402
 from common.train_setup import DEMO_DIR, add_flag, load_model, load_tokenizer  # noqa: E402
 
@@ -42,6 +46,7 @@ def parse_arguments():
     add_flag(parser, "learning_rate", type=float, default=1e-3)
     add_flag(parser, "max_seq_length", type=int, default=256)
     add_flag(parser, "seed", type=int, default=0)
+    add_flag(parser, "packing", action="store_true", help="04_fsdp's packed rows instead of one padded game per row")
     return parser.parse_args()
 
 
@@ -54,8 +59,9 @@ def main():
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model)
     rows, _ = load_rows(Path(args.data_dir) / "train.jsonl", tokenizer, args.max_seq_length,
-                        True, Path(args.data_dir) / "tokenized")  # packed, as the step scripts by default
-    dataset = [{"input_ids": row, "labels": row, "attention_mask": torch.ones_like(row)} for row in rows]
+                        args.packing, Path(args.data_dir) / "tokenized")
+    # Each micro-batch padded to its longest row; padding gets no attention and no loss.
+    collator = functools.partial(collate, pad_id=tokenizer.pad_token_id)
 
     training = TrainingArguments(
         output_dir=str(output_dir / "trainer"), use_cpu=not torch.cuda.is_available(),
@@ -73,7 +79,8 @@ def main():
         # transformers 5 runs FSDP2 (fully_shard) by default; "full_shard" = reshard after forward.
         fsdp="full_shard auto_wrap", fsdp_config={"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
     clock = StepClock(args.batch_size_per_device * args.gradient_accumulation_steps * world_size)
-    trainer = CpuFsdpTrainer(model=model, args=training, train_dataset=dataset, callbacks=[clock])
+    trainer = CpuFsdpTrainer(model=model, args=training, train_dataset=rows, data_collator=collator,
+                             callbacks=[clock])
     trainer.train()
 
     peaks = [None] * world_size
@@ -89,7 +96,7 @@ def main():
                    "tokens_per_s_per_device": round(tokens_per_s / world_size, 1),
                    "step_time_s": round(sum(r["step_time_s"] for r in timed) / len(timed), 4),
                    "peak_rss_mib_per_rank": max(p["peak_rss_mib"] for p in peaks),
-                   "wrapped_as": type(trainer.model_wrapped).__name__}  # FSDP2 names its class FSDP<model class>
+                   "packing": args.packing, "wrapped_as": type(trainer.model_wrapped).__name__}  # FSDP2 names its class FSDP<model class>
         (output_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         print("hf_trainer_fsdp: " + "  ".join(f"{k}={v}" for k, v in summary.items()), flush=True)
 

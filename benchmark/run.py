@@ -32,11 +32,13 @@ GLOBAL_BATCH_ROWS = 16  # rows per optimiser step, whatever the rank count (as d
 SEQ_LENGTH = 128
 LEARNING_RATE = 3e-3
 FULL_STEPS, QUICK_STEPS = 40, 4
+ROUNDS = 2  # of the runs the targets compare (the full benchmark)
 
 
 def configurations(quick):
-    """(name, script, ranks, extra arguments). The per-device batch is the global batch split
-    over the ranks; one process accumulates 2 micro-batches of 8."""
+    """The runs the targets compare, and the others: lists of (name, script, ranks, extra
+    arguments). The per-device batch is the global batch split over the ranks; one process
+    accumulates 2 micro-batches of 8."""
     single = ("single", "single", 1, ["--batch_size_per_device", 8, "--gradient_accumulation_steps", 2])
 
     def on(ranks, script, name, *extra):
@@ -46,15 +48,26 @@ def configurations(quick):
         name = f"fsdp {strategy} x{ranks}" + (" no packing" if "--no_packing" in extra else "")
         return on(ranks, "fsdp", name, "--sharding_strategy", strategy, *extra)
 
+    # The peer baseline as the SageMaker examples prepare data (one padded game per row), and the
+    # Trainer fed our packed rows: the first is the target's yardstick, the second isolates the loop.
+    trainers = [on(2, "hf_trainer", "hf_trainer fsdp x2"), on(2, "hf_trainer", "hf_trainer fsdp x2 packed", "--packing")]
+    compared = [on(2, "ddp", "ddp x2"), fsdp(2, "FULL_SHARD"), *trainers]
     if quick:
-        return [on(2, "ddp", "ddp x2"), fsdp(2, "FULL_SHARD"), on(2, "hf_trainer", "hf_trainer fsdp x2")]
-    # The three runs the targets compare come one after another: on a shared machine they then
-    # see about the same load.
-    return [single, on(2, "ddp", "ddp x2"), fsdp(2, "FULL_SHARD"), on(2, "hf_trainer", "hf_trainer fsdp x2"),
-            fsdp(2, "SHARD_GRAD_OP"), fsdp(2, "NO_SHARD"), fsdp(2, "FULL_SHARD", "--no_packing"),
+        return compared, []
+    return compared, [
+            single, fsdp(2, "SHARD_GRAD_OP"), fsdp(2, "NO_SHARD"), fsdp(2, "FULL_SHARD", "--no_packing"),
             # HYBRID_SHARD on 2 ranks of one node is one shard group of 2: FULL_SHARD. On 4: 2 x 2.
             on(4, "ddp", "ddp x4"), fsdp(4, "FULL_SHARD"), fsdp(4, "SHARD_GRAD_OP"),
             fsdp(4, "HYBRID_SHARD", "--shard_group_size", 2), fsdp(4, "NO_SHARD")]
+
+
+def run_compared(compared, args, steps, rounds):
+    """The runs the targets compare, one after another, `rounds` times over; each keeps its fastest
+    round. On a shared machine other work only ever slows a run down, and interleaving gives every
+    configuration the same chances."""
+    tries = [[run_configuration(*config, args, steps) for config in compared] for _ in range(rounds)]
+    return [{**max(runs, key=lambda row: row["tokens_per_s"]), "tokens_per_s_rounds": [r["tokens_per_s"] for r in runs]}
+            for runs in zip(*tries)]
 
 
 def launch(script, ranks, arguments, log_path, timeout):
@@ -129,8 +142,12 @@ def check_targets(rows, state_bytes):
         targets.append(("FSDP FULL_SHARD tokens/s ≥ 0.9 × DDP's, 2 ranks", ratio, ">= 0.9", ratio >= 0.9))
     if full and hf:
         ratio = full["tokens_per_s"] / hf["tokens_per_s"]
-        targets.append(("FSDP FULL_SHARD tokens/s ≥ 1.3 × HF Trainer FSDP's (useful tokens), 2 ranks", ratio,
-                        ">= 1.3", ratio >= 1.3))
+        targets.append(("FSDP FULL_SHARD useful tokens/s ≥ 1.3 × the HF Trainer FSDP baseline's "
+                        "(SageMaker data preparation: one padded game per row), 2 ranks", ratio, ">= 1.3", ratio >= 1.3))
+    if full and (packed := by_name.get("hf_trainer fsdp x2 packed")):
+        ratio = full["tokens_per_s"] / packed["tokens_per_s"]  # no target: where the gain comes from
+        targets.append(("for information: FSDP FULL_SHARD tokens/s ÷ the HF Trainer's on the same packed rows "
+                        "(the training loops alone), 2 ranks", ratio, "—", None))
     for ranks, measured in sorted(state_bytes.items()):
         ratio = measured["FULL_SHARD"] / (measured["DDP"] / ranks)
         targets.append((f"FULL_SHARD parameter+gradient+optimizer bytes per rank = 1/{ranks} of DDP's (±2%), "
@@ -139,11 +156,17 @@ def check_targets(rows, state_bytes):
             for text, ratio, needed, met in targets]
 
 
+def verdict(target):
+    return "—" if target["met"] is None else "met" if target["met"] else "not met"
+
+
 def markdown(results):
     lines = [f"Command: `{results['command']}` ({results['date']}, {results['machine']}; load average "
              f"{results['load_average_before']} before, {results['load_average_after']} after). "
              f"Every run: {results['global_batch']}, {results['steps']} optimiser steps, one thread per rank; "
-             "tokens/s counts loss-bearing tokens only and leaves out step 1.",
+             "tokens/s counts loss-bearing tokens only and leaves out step 1. The first "
+             f"{len(results['compared'])} runs (those the targets compare) ran {results['rounds']} time(s), "
+             "one after another, and show their fastest round (every round is in results.json).",
              "",
              "| configuration | script | ranks | tokens/s | tokens/s per rank | useful tokens/step | s/step "
              "| peak RSS MiB/rank | params+grads+AdamW MiB/rank | final loss |",
@@ -158,7 +181,7 @@ def markdown(results):
               "| target | ratio | needed | |", "|---|---:|---:|---|"]
     for target in results["targets"]:
         lines.append(f"| {target['target']} | {target['ratio']} | {target['needed']} "
-                     f"| {'met' if target['met'] else 'not met'} |")
+                     f"| {verdict(target)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -211,7 +234,9 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     started, load_before = time.perf_counter(), [round(x, 2) for x in os.getloadavg()]
 
-    rows = [run_configuration(*config, args, steps) for config in configurations(args.quick)]
+    compared, others = configurations(args.quick)
+    rows = run_compared(compared, args, steps, rounds=1 if args.quick else ROUNDS)
+    rows += [run_configuration(*config, args, steps) for config in others]
     state_bytes = {ranks: measure_state_bytes(ranks, args) for ranks in sorted({r["ranks"] for r in rows} - {1})}
     for row in rows:
         key = state_key(row)
@@ -225,6 +250,7 @@ def main():
         "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}, torch {torch.__version__}",
         "load_average_before": load_before, "load_average_after": [round(x, 2) for x in os.getloadavg()],
         "global_batch": f"{GLOBAL_BATCH_ROWS} rows x {SEQ_LENGTH} tokens per step", "steps": steps,
+        "compared": [config[0] for config in compared], "rounds": 1 if args.quick else ROUNDS,
         "runs": rows, "state_bytes_per_rank": {str(k): v for k, v in state_bytes.items()},
         "targets": check_targets(rows, state_bytes),
         "total_wall_s": round(time.perf_counter() - started, 1)}
@@ -233,7 +259,8 @@ def main():
     plot(rows, out)
     print("\n" + markdown(results))
     for target in results["targets"]:
-        print(f"target {'met' if target['met'] else 'NOT MET'}: {target['target']}: ratio {target['ratio']}")
+        print(f"target {'NOT MET' if target['met'] is False else verdict(target)}: {target['target']}: "
+              f"ratio {target['ratio']}")
     print(f"wrote {out / 'results.md'}, results.json, tokens_per_s.png, memory.png in {results['total_wall_s']} s")
 
 
