@@ -287,8 +287,8 @@ def fits(peak, gpu_memory_gib):
 
 
 def loading_bytes(shape):
-    """train.py loads the whole fp32 model in every process, then moves it to the GPU, before
-    sharding: this much host RAM per process and GPU memory for a moment."""
+    """The whole fp32 model: what rank 0 alone holds in host RAM while train.py loads it (the
+    other ranks build it on the meta device and receive their shards, one tensor at a time)."""
     return sharded_bytes(shape.all_shapes, 1, PARAM_BYTES)
 
 
@@ -348,9 +348,9 @@ def report(shape, source, args):
     if args.cpu_offload:
         lines.append(f"host RAM per node for the offloaded state: {gib(est['host_per_node'])} GiB")
     load = loading_bytes(shape)
-    lines.append(f"note: before sharding, train.py loads the whole fp32 model in every process: {gib(load)} GiB "
-                 f"of host RAM per process ({gib(args.gpus_per_node * load)} GiB per node) and, for a moment, "
-                 "on each GPU")
+    lines.append(f"note: while loading, rank 0 alone holds the whole fp32 model in host RAM: {gib(load)} GiB "
+                 "(about 1.5 x that while it reads a bf16 checkpoint); the other ranks hold their shards plus "
+                 "one tensor in flight (measured: 04_fsdp/measure_loading.py)")
     return "\n".join(lines)
 
 
