@@ -96,7 +96,8 @@ def main():
                    "tokens_per_s_per_device": round(tokens_per_s / world_size, 1),
                    "step_time_s": round(sum(r["step_time_s"] for r in timed) / len(timed), 4),
                    "peak_rss_mib_per_rank": max(p["peak_rss_mib"] for p in peaks),
-                   "packing": args.packing, "wrapped_as": type(trainer.model_wrapped).__name__}  # FSDP2 names its class FSDP<model class>
+                   "packing": args.packing,
+                   "wrapped_as": type(trainer.model_wrapped).__name__}  # FSDP2 names its class FSDP<model class>
         (output_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         print("hf_trainer_fsdp: " + "  ".join(f"{k}={v}" for k, v in summary.items()), flush=True)
 

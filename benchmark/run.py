@@ -235,7 +235,8 @@ def main():
     started, load_before = time.perf_counter(), [round(x, 2) for x in os.getloadavg()]
 
     compared, others = configurations(args.quick)
-    rows = run_compared(compared, args, steps, rounds=1 if args.quick else ROUNDS)
+    rounds = 1 if args.quick else ROUNDS
+    rows = run_compared(compared, args, steps, rounds)
     rows += [run_configuration(*config, args, steps) for config in others]
     state_bytes = {ranks: measure_state_bytes(ranks, args) for ranks in sorted({r["ranks"] for r in rows} - {1})}
     for row in rows:
@@ -250,7 +251,7 @@ def main():
         "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}, torch {torch.__version__}",
         "load_average_before": load_before, "load_average_after": [round(x, 2) for x in os.getloadavg()],
         "global_batch": f"{GLOBAL_BATCH_ROWS} rows x {SEQ_LENGTH} tokens per step", "steps": steps,
-        "compared": [config[0] for config in compared], "rounds": 1 if args.quick else ROUNDS,
+        "compared": [config[0] for config in compared], "rounds": rounds,
         "runs": rows, "state_bytes_per_rank": {str(k): v for k, v in state_bytes.items()},
         "targets": check_targets(rows, state_bytes),
         "total_wall_s": round(time.perf_counter() - started, 1)}
