@@ -70,7 +70,11 @@ def preempt_twice(cluster, job_id, output_dir, read_log, warn):
                        "training steps after the first requeue")
     warn()
     cluster.wait_until(job_id, lambda: len(saved_steps(read_log())) == 2, 60, "a checkpoint after the second warning")
-    return saved_steps(read_log())
+    # In time order: submit.py keeps one log per node, read in node order, and rank 0 (which
+    # reports) may move to the other node after a requeue.
+    later = saved_steps(read_log())
+    later.remove(first)
+    return [first, *later]
 
 
 def check_same_as_uninterrupted(output_dir, uninterrupted, saved):
