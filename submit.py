@@ -4,11 +4,12 @@
     python submit.py --step ddp --gpus 2 --total_batch_size 32 -- --learning_rate 2e-5 --max_steps 200
     python submit.py --step fsdp --gpus 4 --nodes 2 --dry-run     # print the plan and the sbatch script
 
-One Slurm task per node runs torchrun, which starts one process per GPU; the gradient
-accumulation keeps the total batch the same at any GPU count. Arguments after `--` go to the
-training script. Run it on the login node, after the download step (compute nodes are offline).
+One Slurm task per node runs torchrun, which starts one process per GPU; the training script
+works out the gradient accumulation that keeps the total batch the same at any GPU count, and
+submit.py prints it first, with the same function. Arguments after `--` go to the training
+script; its own parser checks them before anything is queued. Run it on the login node, after
+the download step (compute nodes are offline).
 """
-import argparse
 import math
 import os
 import re
@@ -19,79 +20,41 @@ from pathlib import Path
 
 import submitit
 
-from slurm.step_launcher import PREEMPTION_SIGNAL, PREEMPTION_WARNING_S, STEP_SCRIPTS, StepLauncher
+from common.arguments import Parser, check_arguments
+from common.batch import describe, gradient_accumulation_steps
+from common.errors import UserError, exit_on_user_error
+from common.steps import REPO, STEP_SCRIPTS, load_step
+from slurm.step_launcher import PREEMPTION_SIGNAL, PREEMPTION_WARNING_S, StepLauncher
 
-REPO = Path(__file__).resolve().parent
-DEMO_DOWNLOAD = "python 01_download/download.py --demo --out demo"
-# Training arguments that submit.py sets itself; a second value after `--` would silently win.
-MANAGED_ARGUMENTS = {
-    "--model": "--model", "--data_dir": "--data_dir", "--output_dir": "--output_dir",
-    "--batch_size_per_device": "--batch_size_per_device",
-    "--gradient_accumulation_steps": "--total_batch_size (the accumulation is computed from it)",
-    "--device": None,
-}
+# Training arguments that submit.py sets itself, from its own options of the same name.
+MANAGED_ARGUMENTS = ("model", "data_dir", "output_dir", "total_batch_size", "batch_size_per_device")
 MAX_REQUEUES_AFTER_TIME_LIMIT = 20
-
-
-class UserError(Exception):
-    """A request that cannot work; printed as one line before anything is submitted."""
-
-
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UserError(f"{message} (see --help)")
-
-
-def add_option(parser, name, **kwargs):
-    """--total_batch_size, also spelt --total-batch-size (as the training scripts accept)."""
-    spellings = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
-    parser.add_argument(*spellings, dest=name, **kwargs)
 
 
 def parse_arguments(argv):
     """submit.py's own options, and the training arguments after the first `--`."""
     own, training_args = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    parser = OneLineParser(description=__doc__.split("\n\n")[0],
-                           usage="%(prog)s --step {singlegpu,ddp,fsdp} [options] [-- training arguments]")
-    add_option(parser, "step", required=True, choices=sorted(STEP_SCRIPTS), help="which step to run")
-    add_option(parser, "job_name", help="the job's name in squeue (default: the step)")
-    add_option(parser, "gpus", type=int, default=1, help="GPUs per node (default: 1)")
-    add_option(parser, "nodes", type=int, default=1, help="nodes (default: 1)")
-    add_option(parser, "total_batch_size", type=int, default=64,
-               help="rows per optimiser step, over all GPUs (default: 64)")
-    add_option(parser, "batch_size_per_device", type=int, default=4,
-               help="rows per forward pass on each GPU (default: 4)")
-    add_option(parser, "partition", help="Slurm partition (default: the cluster's default)")
-    add_option(parser, "account", help="Slurm account to charge (default: yours)")
-    add_option(parser, "time", default="02:00:00",
-               help="time limit: minutes, HH:MM:SS or D-HH:MM:SS (default: 02:00:00)")
-    add_option(parser, "cpus_per_task", type=int,
-               help="CPUs per node, for torchrun and its processes (default: 8 per GPU)")
-    add_option(parser, "mem_gb", type=int, help="memory per node in GB (default: the cluster's default)")
-    add_option(parser, "model", default=str(REPO / "demo/model"),
-               help="model directory or downloaded Hugging Face id (default: the demo's)")
-    add_option(parser, "data_dir", default=str(REPO / "demo/data"),
-               help="directory with train.jsonl and validation.jsonl (default: the demo's)")
-    add_option(parser, "output_dir", help="where the run writes; %%j becomes the job id (default: runs/STEP-%%j)")
-    add_option(parser, "log_dir", default="logs", help="submitit's logs go to LOG_DIR/JOBID/ (default: logs)")
-    add_option(parser, "dry_run", action="store_true", help="print the plan and the sbatch script; submit nothing")
+    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser.usage = "%(prog)s --step {singlegpu,ddp,fsdp,lora} [options] [-- training arguments]"
+    parser.add("step", required=True, choices=sorted(STEP_SCRIPTS), help="which step to run")
+    parser.add("job_name", help="the job's name in squeue (default: the step)")
+    parser.add("gpus", type=int, default=1, help="GPUs per node")
+    parser.add("nodes", type=int, default=1, help="nodes")
+    parser.add("total_batch_size", type=int, default=64, help="rows per optimiser step, over all GPUs")
+    parser.add("batch_size_per_device", type=int, default=4, help="rows per forward pass on each GPU")
+    parser.add("partition", help="Slurm partition (default: the cluster's default)")
+    parser.add("account", help="Slurm account to charge (default: yours)")
+    parser.add("time", default="02:00:00", help="time limit: minutes, HH:MM:SS or D-HH:MM:SS")
+    parser.add("cpus_per_task", type=int, help="CPUs per node, for torchrun and its processes (default: 8 per GPU)")
+    parser.add("mem_gb", type=int, help="memory per node in GB (default: the cluster's default)")
+    parser.add("model", default=str(REPO / "demo/model"), help="model directory or downloaded Hugging Face id")
+    parser.add("data_dir", default=str(REPO / "demo/data"), help="directory with the games (see 01_download)")
+    parser.add("output_dir", help="where the run writes; %%j becomes the job id (default: runs/STEP-%%j)")
+    parser.add("log_dir", default="logs", help="submitit's logs go to LOG_DIR/JOBID/")
+    parser.add("dry_run", action="store_true", help="print the plan and the sbatch script; submit nothing")
     args = parser.parse_args(own)
     args.training_args = training_args
     return args
-
-
-def gradient_accumulation_steps(total_batch_size, batch_size_per_device, gpus_per_node, nodes):
-    """total ÷ (per device × GPUs per node × nodes), refused unless it is a whole number ≥ 1."""
-    for name, value in [("--total_batch_size", total_batch_size), ("--batch_size_per_device", batch_size_per_device),
-                        ("--gpus", gpus_per_node), ("--nodes", nodes)]:
-        if value < 1:
-            raise UserError(f"{name} must be at least 1 (got {value})")
-    rows_per_pass = batch_size_per_device * gpus_per_node * nodes
-    if total_batch_size % rows_per_pass:
-        raise UserError(f"--total_batch_size {total_batch_size} is not a multiple of --batch_size_per_device "
-                        f"{batch_size_per_device} × {gpus_per_node} GPUs per node × {nodes} nodes = "
-                        f"{rows_per_pass}: change one of them")
-    return total_batch_size // rows_per_pass
 
 
 def time_limit_minutes(text):
@@ -125,42 +88,34 @@ def check_sbatch_values(args):
 
 
 def check_request(args):
+    for name in ("gpus", "nodes", "total_batch_size", "batch_size_per_device"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name} must be at least 1 (got {getattr(args, name)})")
     if args.step == "singlegpu" and (args.gpus != 1 or args.nodes != 1):
         raise UserError(f"--step singlegpu runs on one GPU of one node (got --gpus {args.gpus} --nodes {args.nodes}): "
                         "use --step ddp or --step fsdp for more")
     for argument in args.training_args:
-        name = argument.split("=", 1)[0].replace("-", "_").replace("__", "--", 1)
+        name = argument.split("=", 1)[0].removeprefix("--").replace("-", "_")
         if name in MANAGED_ARGUMENTS:
-            instead = MANAGED_ARGUMENTS[name]
-            raise UserError(f"{argument} after `--`: use submit.py's {instead} instead" if instead
-                            else f"{argument} after `--`: the device follows the allocation")
+            raise UserError(f"{argument} after `--`: use submit.py's --{name} instead")
     for name in ("cpus_per_task", "mem_gb"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UserError(f"--{name} must be at least 1 (got {getattr(args, name)})")
 
 
-def check_downloads(model, data_dir):
-    """Compute nodes are offline: the model and the games must be on disk before submitting."""
-    model_path = Path(model)
-    if model_path.is_dir():
-        if not (model_path / "config.json").is_file():
-            raise UserError(f"{model} has no config.json: re-run the download step")
-    else:
-        from huggingface_hub import try_to_load_from_cache
-        try:
-            cached = try_to_load_from_cache(model, "config.json")
-        except ValueError:  # not even shaped like a Hugging Face id: a path that does not exist
-            cached = None
-        if not isinstance(cached, str):
-            if model_path == REPO / "demo/model":
-                raise UserError(f"no demo model in {model}: run `{DEMO_DOWNLOAD}` first")
-            raise UserError(f"model {model} is neither a directory nor in the Hugging Face cache: run "
-                            f"`python 01_download/download.py --model {model} --out DIR` here first")
-    for name in ("train.jsonl", "validation.jsonl"):
-        if not (Path(data_dir) / name).is_file():
-            command = DEMO_DOWNLOAD if Path(data_dir) == REPO / "demo/data" else \
-                f"python 01_download/download.py --out {shlex.quote(str(Path(data_dir).parent))}"
-            raise UserError(f"no {name} in {data_dir}: run `{command}` first")
+def check_training_arguments(step, training_args):
+    """The training script's own parser and checks, here on the login node, so that a typo does
+    not wait in the queue to fail. Compute nodes are offline: the model and the games must be on
+    disk already (the same checks the training script makes when it starts). torch, transformers
+    and datasets load only here, so that a request refused for its own options is refused at once."""
+    from common.model import load_config
+    from common.prepare_data import source_files
+    args = load_step(step).parse_arguments(training_args)
+    check_arguments(args)
+    load_config(args.model, args.trust_remote_code, local_files_only=True)
+    for split in ("train", "validation"):
+        source_files(args.data_dir, split)
+    return args
 
 
 def absolute(path):
@@ -193,12 +148,8 @@ def make_executor(args, timeout_min, warning_s):
         **({"mem": f"{args.mem_gb}GB"} if args.mem_gb is not None else {}),
         **({"partition": args.partition} if args.partition is not None else {}),
         **({"account": args.account} if args.account is not None else {}),
-        setup=[
-            # The job imports slurm.step_launcher (pickled by reference) from this repository.
-            f'export PYTHONPATH={shlex.quote(str(REPO))}"${{PYTHONPATH:+:$PYTHONPATH}}"',
-            # Compute nodes have no internet; huggingface_hub reads these at import time.
-            "export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1",
-        ],
+        # Compute nodes have no internet; huggingface_hub and datasets read these at import time.
+        setup=["export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1"],
         # --cpus-per-task again: srun of Slurm 22.05 to 23.02 does not take it from the batch job.
         srun_args=["--kill-on-bad-exit=1", f"--cpus-per-task={cpus_per_task}"],
     )
@@ -209,36 +160,33 @@ def main(argv):
     args = parse_arguments(argv)
     check_sbatch_values(args)
     check_request(args)
-    accumulation = gradient_accumulation_steps(args.total_batch_size, args.batch_size_per_device, args.gpus, args.nodes)
+    devices = args.gpus * args.nodes
+    accumulation = gradient_accumulation_steps(args.total_batch_size, args.batch_size_per_device, devices)
     timeout_min = time_limit_minutes(args.time)
     if submitit.JobEnvironment._usr_sig() != PREEMPTION_SIGNAL:  # SUBMITIT_PREEMPT_SIGNAL=USR1 in the environment
-        raise UserError(f"SUBMITIT_PREEMPT_SIGNAL={os.environ.get('SUBMITIT_PREEMPT_SIGNAL')}: the training scripts stop "
-                        "on USR2, submitit's default: unset SUBMITIT_PREEMPT_SIGNAL")
+        raise UserError(f"SUBMITIT_PREEMPT_SIGNAL={os.environ.get('SUBMITIT_PREEMPT_SIGNAL')}: the training scripts "
+                        "stop on USR2, submitit's default: unset SUBMITIT_PREEMPT_SIGNAL")
     # The warning comes 5 minutes before the time limit, or halfway through a shorter job.
     warning_s = min(PREEMPTION_WARNING_S, timeout_min * 60 // 2)
     model = absolute(args.model) if Path(args.model).exists() else args.model  # else a Hugging Face id
     data_dir, output_dir = absolute(args.data_dir), absolute(args.output_dir or f"runs/{args.step}-%j")
-    check_downloads(model, data_dir)
+    training_args = ["--model", model, "--data_dir", data_dir, "--output_dir", output_dir,
+                     "--total_batch_size", str(args.total_batch_size),
+                     "--batch_size_per_device", str(args.batch_size_per_device), *args.training_args]
+    check_training_arguments(args.step, training_args)
     if not args.dry_run and shutil.which("sbatch") is None:
         raise UserError("no Slurm here (sbatch not found): run this on the cluster's login node, or add --dry-run")
 
     executor, cpus_per_task = make_executor(args, timeout_min, warning_s)
-    training_args = ["--model", model, "--data_dir", data_dir, "--output_dir", output_dir,
-                     "--batch_size_per_device", str(args.batch_size_per_device),
-                     "--gradient_accumulation_steps", str(accumulation), *args.training_args]
     launcher = StepLauncher(args.step, args.gpus, cpus_per_task, training_args, warning_s)
-    devices = args.gpus * args.nodes
     print(f"step {args.step}: {args.nodes} node(s) × {args.gpus} GPU(s) = {devices} process(es), {cpus_per_task} CPUs "
           f"per node, time limit {args.time}")
-    print(f"total batch {args.total_batch_size} = {args.batch_size_per_device} per device × {devices} devices × "
-          f"{accumulation} gradient accumulation steps")
-    example = launcher.command(num_nodes=args.nodes, first_node="FIRST_NODE", port="PORT",
-                               rdzv_id="JOBID-RESTARTS", device="cuda", job_id="JOBID")
+    print(describe(args.total_batch_size, args.batch_size_per_device, devices, accumulation))
+    example = launcher.command(args.nodes, first_node="FIRST_NODE", port="PORT", job_id="JOBID", restarts="RESTARTS")
     print(f"on each node: {shlex.join(example)}")
-    print("  (FIRST_NODE: first node of the allocation, PORT: 20000 + job id % 20000; --device cpu where the "
-          "GPUs are not usable by CUDA)")
+    print("  (FIRST_NODE: first node of the allocation, PORT: 20000 + job id % 20000)")
     print(f"preemption: {warning_s} s before the time limit Slurm sends USR2; the training saves a checkpoint and "
-          "stops, the job is requeued and continues with --resume")
+          "stops, the job is requeued and continues the run")
 
     if args.dry_run:
         # The two (private) calls with which submitit writes the script when it submits.
@@ -261,8 +209,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(exit_on_user_error(lambda: main(sys.argv[1:])))

@@ -5,24 +5,25 @@ Compute nodes usually have no internet, so this runs once on a login node:
     python 01_download/download.py --out $SCRATCH/chess            # CodeLlama-7b + 100k games
     python 01_download/download.py --demo --out demo               # tiny built-in default, no network
 
-The real path puts the model in the Hugging Face cache (HF_HOME, or --cache_dir) and the
-games in OUT/data/{train,validation}.jsonl, one {"text": "e2e4 e7e5 ..."} per game. Running it
-again downloads nothing. The demo builds a tiny Llama with a one-token-per-move tokenizer and
-uses the chess sample shipped with the repo (made by make_chess_sample.py).
+The real path puts the model and the dataset's parquet files in the Hugging Face cache (HF_HOME,
+or --cache_dir) and uses the files where they are: OUT/data/train/ links to them (the last one
+cut to the number of games asked for), and the held-out games follow in OUT/data/validation.jsonl.
+Millions of games are never rewritten as text; 01_download/prepare.py (or the first training
+run) tokenizes them once. Running it again downloads nothing. The demo builds a tiny Llama with a
+one-token-per-move tokenizer and writes the chess sample shipped with the repo (made by
+make_chess_sample.py) as OUT/data/{train,validation}.jsonl, one {"text": "e2e4 e7e5 ..."} per game.
 """
 import argparse
 import contextlib
 import json
 import os
 import shlex
-import sys
+import shutil
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared `common` package
+import pyarrow.parquet as pq
 
-import pyarrow.parquet as pq  # noqa: E402
-
-from common.errors import UserError, exit_on_user_error  # noqa: E402
+from common.errors import UserError, exit_on_user_error
 
 HERE = Path(__file__).resolve().parent
 SHIPPED_SAMPLE = HERE / "chess_sample.parquet"
@@ -30,7 +31,7 @@ MODEL_FILES = ["*.json", "*.safetensors", "tokenizer.model"]  # config, weights,
 SPECIAL_TOKENS = ["<pad>", "<unk>", "<s>", "</s>"]
 
 
-# ---- games: laion/strategic_game_chess parquet -> jsonl -------------------------------------------
+# ---- writing games ---------------------------------------------------------------------------------
 
 def games_from_parquet(path):
     """The `Moves` column (a list of UCI strings per game) as space-separated text."""
@@ -72,7 +73,7 @@ def write_splits(games, data_dir, validation_games):
 @contextlib.contextmanager
 def hub_errors(kind, repo_id):
     """The hub's answers a user can act on, as one line instead of a traceback."""
-    import httpx
+    import httpx2  # huggingface_hub's own HTTP client (not httpx, which requirements.txt does not bring)
     from huggingface_hub import constants
     from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
                                         RepositoryNotFoundError)
@@ -84,7 +85,7 @@ def hub_errors(kind, repo_id):
     except RepositoryNotFoundError:
         raise UserError(f"no {kind} {repo_id} on {constants.ENDPOINT}: check the spelling (--{kind} "
                         "org/name, e.g. codellama/CodeLlama-7b-hf); a private one also needs HF_TOKEN") from None
-    except (HfHubHTTPError, LocalEntryNotFoundError, httpx.TransportError) as err:  # refused, or unreachable
+    except (HfHubHTTPError, LocalEntryNotFoundError, httpx2.TransportError) as err:  # refused, or unreachable
         reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
         raise UserError(f"cannot download the {kind} {repo_id} from {constants.ENDPOINT} ({reason}): run this "
                         "on a machine with internet (a login node), or check HF_ENDPOINT and proxies") from None
@@ -102,43 +103,110 @@ def download_model(repo_id, cache_dir):
         return Path(snapshot_download(repo_id, allow_patterns=MODEL_FILES, cache_dir=cache_dir))
 
 
+def parquet_games(path):
+    """The number of games in a parquet file (from its footer: nothing else is read)."""
+    try:
+        parquet = pq.ParquetFile(path)
+    except Exception as err:  # pyarrow raises several types for damaged or foreign files
+        raise UserError(f"{path}: not a parquet file ({err})") from None
+    if "Moves" not in parquet.schema_arrow.names:
+        raise UserError(f"{path}: not a chess parquet file with a Moves column (it has "
+                        f"{', '.join(parquet.schema_arrow.names)})")
+    return parquet.metadata.num_rows
+
+
+def rows_of(path, start, count):
+    """Rows start .. start+count-1 of a parquet file, reading only the batches that hold them."""
+    import pyarrow as pa
+    batches, seen = [], 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=65536):
+        first, end = max(start, seen), min(start + count, seen + batch.num_rows)
+        if first < end:
+            batches.append(batch.slice(first - seen, end - first))
+        seen += batch.num_rows
+        if seen >= start + count:
+            break
+    return pa.Table.from_batches(batches)
+
+
 def download_games(repo_id, games_wanted, cache_dir):
-    """Parquet files of the dataset, in name order, until there are enough games."""
+    """The dataset's parquet files, in name order, until they hold enough games: (paths in the
+    cache, games in each)."""
     from huggingface_hub import HfApi, hf_hub_download
-    files = sorted(name for name in HfApi().list_repo_files(repo_id, repo_type="dataset")
+    names = sorted(name for name in HfApi().list_repo_files(repo_id, repo_type="dataset")
                    if name.endswith(".parquet"))
-    if not files:
+    if not names:
         raise UserError(f"{repo_id} has no parquet files")
-    games = []
-    for name in files:
-        local = hf_hub_download(repo_id, name, repo_type="dataset", cache_dir=cache_dir)
-        games.extend(games_from_parquet(local))
-        if len(games) >= games_wanted:
-            return games[:games_wanted]
-    print(f"note: {repo_id} holds only {len(games)} games", flush=True)
-    return games
+    paths, counts = [], []
+    for name in names:
+        paths.append(Path(hf_hub_download(repo_id, name, repo_type="dataset", cache_dir=cache_dir)))
+        counts.append(parquet_games(paths[-1]))
+        if sum(counts) >= games_wanted:
+            break
+    else:
+        print(f"note: {repo_id} holds only {sum(counts)} games", flush=True)
+    return paths, counts
+
+
+def link_games(paths, counts, train_games, validation_games, data_dir):
+    """data_dir/train/ links to the cached files that hold the first `train_games` games (the last
+    file, cut to size, is written as a parquet file of its own); data_dir/validation.jsonl has the
+    next `validation_games`. The new train/ is built under a name of this process, moved in last."""
+    partial = data_dir / f"train.partial-{os.getpid()}"
+    try:
+        partial.mkdir(parents=True)
+        held_out, start = [], 0
+        for path, count in zip(paths, counts):
+            if start + count <= train_games:
+                (partial / path.name).symlink_to(path)  # the cached file itself, as it is
+            elif start < train_games:
+                pq.write_table(rows_of(path, 0, train_games - start),
+                               partial / f"{path.stem}.first-{train_games - start}.parquet")
+            if start + count > train_games and len(held_out) < validation_games:
+                table = rows_of(path, max(0, train_games - start), validation_games - len(held_out))
+                held_out += [" ".join(moves) for moves in table.column("Moves").to_pylist()]
+            start += count
+        write_jsonl(held_out, data_dir / "validation.jsonl")
+    except (OSError, UserError) as err:
+        shutil.rmtree(partial, ignore_errors=True)  # ours; the earlier train/ stays as it was
+        if isinstance(err, UserError):
+            raise
+        raise UserError(f"cannot write {partial} ({err.strerror}): check the --out directory and the free space") \
+            from None
+    shutil.rmtree(data_dir / "train", ignore_errors=True)  # an earlier download's (download.json said so)
+    os.replace(partial, data_dir / "train")
 
 
 def download(args):
     out = Path(args.out)
     data_dir = out / "data"
     wanted = {"dataset": args.dataset, "games": args.games, "validation_games": args.validation_games}
+    # download.json says which request the games in data/ answer. It is written last, and emptied
+    # before they are rewritten: an interrupted run then leaves no manifest that could vouch for the
+    # games of a different request. Games without a download.json are not this step's: they are
+    # never replaced.
+    manifest_path = data_dir / "download.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None
+    if manifest is None and any((data_dir / name).exists() for name in ("train", "train.jsonl", "validation.jsonl")):
+        raise UserError(f"{data_dir} holds games this step did not download (no download.json): choose another "
+                        "--out")
     with hub_errors("model", args.model):
         model_dir = download_model(args.model, args.cache_dir)
-    # download.json says which request the jsonl files answer. It is written last, and removed
-    # before they are rewritten: an interrupted run then leaves no manifest that could vouch
-    # for files of a different request.
-    manifest_path = data_dir / "download.json"
-    splits_there = all((data_dir / name).is_file() for name in ("train.jsonl", "validation.jsonl"))
-    if splits_there and manifest_path.is_file() and json.loads(manifest_path.read_text()).get("request") == wanted:
+    splits_there = (data_dir / "train").is_dir() and (data_dir / "validation.jsonl").is_file()
+    if splits_there and manifest and manifest.get("request") == wanted:
         print(f"games already in {data_dir}", flush=True)
     else:
         print(f"downloading {args.games} games of {args.dataset} ...", flush=True)
         with hub_errors("dataset", args.dataset):
-            games = download_games(args.dataset, args.games, args.cache_dir)
-        manifest_path.unlink(missing_ok=True)
-        counts = write_splits(games, data_dir, args.validation_games)
-        write_atomically(manifest_path, [json.dumps({"request": wanted, **counts}, indent=1)])
+            paths, counts = download_games(args.dataset, args.games, args.cache_dir)
+        games = min(args.games, sum(counts))
+        if games <= args.validation_games:
+            raise UserError(f"only {games} games, but {args.validation_games} are to be held out for validation")
+        # Still this step's games, but they no longer answer any request until the new ones are in.
+        write_atomically(manifest_path, [json.dumps({"request": None, "note": "being replaced"}) + "\n"])
+        link_games(paths, counts, games - args.validation_games, args.validation_games, data_dir)
+        write_atomically(manifest_path, [json.dumps({"request": wanted, "train_games": games - args.validation_games,
+                                                     "validation_games": args.validation_games}, indent=1)])
     if args.cache_dir:  # the hub cache itself (models--*/ inside): HF_HUB_CACHE names that, HF_HOME the folder above
         cache = "HF_HUB_CACHE=" + shlex.quote(str(Path(args.cache_dir).expanduser().resolve()))
     else:
@@ -147,7 +215,9 @@ def download(args):
           "On compute nodes (no internet) set, before Python starts:\n"
           f"  export {cache}   # the same cache this step filled\n"
           "  export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1\n"
-          f"and train with --model {args.model} --data_dir {data_dir}", flush=True)
+          f"and train with --model {args.model} --data_dir {data_dir}\n"
+          "Tokenize the games once, here, before the first job (else its first process does it):\n"
+          f"  python 01_download/prepare.py --model {args.model} --data_dir {data_dir}", flush=True)
 
 
 # ---- the built-in tiny default (no network) -----------------------------------------------------
@@ -199,6 +269,9 @@ def build_tiny_llama(tokenizer, seed):
 
 def build_demo(args):
     out = Path(args.out)
+    if (out / "data" / "download.json").is_file():  # checked before anything is built or written
+        raise UserError(f"{out / 'data'} holds a real download (download.json): its games stay; write the demo "
+                        "to another --out (e.g. --out demo)")
     tokenizer = build_move_tokenizer()
     model = build_tiny_llama(tokenizer, args.seed)
     model.save_pretrained(out / "model", safe_serialization=True)

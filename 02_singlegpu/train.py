@@ -2,47 +2,53 @@
 
     python 02_singlegpu/train.py --output_dir runs/single            # the built-in tiny demo
     python 02_singlegpu/train.py --model codellama/CodeLlama-7b-hf --data_dir $SCRATCH/chess/data \
-        --output_dir runs/single-7b --batch_size_per_device 2 --gradient_accumulation_steps 16
+        --output_dir runs/single-7b --total_batch_size 64 --batch_size_per_device 2
 
-One global batch = batch_size_per_device × gradient_accumulation_steps rows. The loss is the
-mean over that whole batch's tokens, so the next steps (DDP, FSDP) can split the same batch
-over several GPUs and still take exactly the same optimiser step.
+One global batch = --total_batch_size rows per optimiser step; the device takes them
+--batch_size_per_device at a time and accumulates the gradients. The loss is the mean over the
+whole batch's tokens, so the next steps (DDP, FSDP) can split the same batch over several GPUs
+and still take exactly the same optimiser step.
 """
-import sys
 import time
 from contextlib import nullcontext
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared `common` package
+import torch
+from tqdm import tqdm
 
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+from common.arguments import check_arguments, training_arguments
+from common.batch import describe, gradient_accumulation_steps
+from common.checkpoint import (checkpoint_dir, load_file, load_newest, mark_complete, prepare, readable_by_others,
+                               restore_rng, stop_if_not_finite, tensor_bytes, train_state)
+from common.chess_eval import StopEvaluation, game_prefixes, legal_move_sums, share_of_rank, validation_loss_sums
+from common.data import GlobalBatchSampler, count_loss_tokens, loss_sum, make_loader
+from common.device import pick_device
+from common.errors import exit_on_user_error
+from common.metrics import (MetricsLog, StepTimer, flops_per_token, model_flops_utilization, peak_memory,
+                            print_summary, run_params, write_summary)
+from common.model import enable_gradient_checkpointing, load_config, load_model, load_tokenizer
+from common.optim import make_optimizer, make_scheduler
+from common.output_dir import OutputDir, run_settings
+from common.prepare_data import prepared_rows, read_games
+from common.signals import StopFlag
 
-from common.checkpoint import (checkpoint_dir, load_file, load_newest, mark_complete, prepare,  # noqa: E402
-                               restore_rng, stop_if_not_finite, train_state)
-from common.chess_eval import game_prefixes, legal_move_sums, validation_loss_sums  # noqa: E402
-from common.data import GlobalBatchSampler, count_loss_tokens, load_rows, loss_sum, make_loader  # noqa: E402
-from common.errors import exit_on_user_error  # noqa: E402
-from common.metrics import (MetricsLog, StepTimer, flops_per_token, model_flops_utilization,  # noqa: E402
-                            peak_memory, print_summary, run_params, write_summary)
-from common.signals import PreemptionFlag  # noqa: E402
-from common.train_setup import (check_arguments, enable_gradient_checkpointing, load_model,  # noqa: E402
-                                load_tokenizer, make_optimizer, make_scheduler, pick_device,
-                                seed_everything, training_arguments)
+
+def parse_arguments(argv=None):
+    return training_arguments(__doc__.split("\n\n")[0]).parse_args(argv)
 
 
 def main():
-    args = training_arguments(__doc__.split("\n\n")[0]).parse_args()
+    args = parse_arguments()
     check_arguments(args)
-    seed_everything(args.seed)
+    accumulation = gradient_accumulation_steps(args.total_batch_size, args.batch_size_per_device, 1)
     device = pick_device(args.device)
-    output_dir = Path(args.output_dir)
-    # Slurm's warning before a time limit or preemption: finish the step, save, exit cleanly.
-    preemption = PreemptionFlag(device)  # from here on, USR2 no longer kills us
+    output = OutputDir(args, is_main=True)  # one run at a time per output directory
+    output_dir = output.path
+    torch.manual_seed(args.seed)
 
     # Model: fp32 weights; on GPU the forward pass runs in bf16 under autocast
     # (bf16 has fp32's range, so no GradScaler is needed).
-    tokenizer = load_tokenizer(args.model, args.trust_remote_code)
+    config = load_config(args.model, args.trust_remote_code)
+    tokenizer = load_tokenizer(args.model, config, args.trust_remote_code)
     model = load_model(args.model, args.trust_remote_code).to(device)
     model_flops = flops_per_token(model, args.max_seq_length)  # for MFU
     if args.gradient_checkpointing:
@@ -52,12 +58,29 @@ def main():
     optimizer = make_optimizer(model, args)
     scheduler = make_scheduler(optimizer, args)
 
+    # Data: tokenized once per data set, memory-mapped here; every optimiser step gets one global batch.
+    pack = not args.no_packing
+    train_rows = prepared_rows(args.data_dir, "train", tokenizer, args.max_seq_length, pack, args.prepared_dir)
+    validation_rows = prepared_rows(args.data_dir, "validation", tokenizer, args.max_seq_length, pack,
+                                    args.prepared_dir)
+    eval_rows = [validation_rows[i] for i in range(min(args.eval_rows, len(validation_rows)))]
+    prefixes = game_prefixes(read_games(args.data_dir, "validation", args.eval_games), args.eval_games, args.seed)
+    eval_rows = share_of_rank(eval_rows, 0, 1, "rows")
+    prefixes = share_of_rank(prefixes, 0, 1, "game prefixes")
+    sampler = GlobalBatchSampler(len(train_rows), args.batch_size_per_device, accumulation,
+                                 rank=0, world_size=1, seed=args.seed, max_steps=args.max_steps)
+
+    # Every input is checked; only now does the run write (and --overwrite delete the old run).
+    note = output.start(run_settings(args, "one file", config, train_rows))
+    tqdm.write(describe(args.total_batch_size, args.batch_size_per_device, 1, accumulation))
+
     # Checkpoints: one file with everything needed to continue exactly where the run stopped.
     def save_checkpoint(step):
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                 "train": train_state(step, scheduler, {"untrained": untrained})}
         path = checkpoint_dir(output_dir, step)
-        prepare(path)
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "train": train_state(step, scheduler, {"untrained": untrained})}, path / "state.pt")
+        with prepare(path, tensor_bytes(state)):  # refused at once if the disk is too full
+            torch.save(state, path / "state.pt")
 
     def load_checkpoint(path):
         nonlocal start_step, untrained
@@ -70,28 +93,18 @@ def main():
 
     start_step, untrained = 0, None
     if args.resume and (resumed_from := load_newest(output_dir, load_checkpoint)):
-        tqdm.write(f"resuming from {resumed_from}")
+        tqdm.write(f"resuming from {resumed_from}" + (f"\n{note}" if note else ""))
+    batches = iter(make_loader(train_rows, sampler.starting_at(start_step), tokenizer.pad_token_id, device))
 
-    # Data: tokenized once and cached; every optimiser step gets one global batch.
-    cache_dir = Path(args.data_dir) / "tokenized"
-    train_rows, _ = load_rows(Path(args.data_dir) / "train.jsonl", tokenizer, args.max_seq_length,
-                              not args.no_packing, cache_dir)
-    eval_rows, eval_games = load_rows(Path(args.data_dir) / "validation.jsonl", tokenizer,
-                                      args.max_seq_length, not args.no_packing, cache_dir)
-    eval_rows, prefixes = eval_rows[: args.eval_rows], game_prefixes(eval_games, args.eval_games, args.seed)
-    sampler = GlobalBatchSampler(len(train_rows), args.batch_size_per_device, args.gradient_accumulation_steps,
-                                 rank=0, world_size=1, seed=args.seed, start_step=start_step,
-                                 max_steps=args.max_steps)
-    batches = iter(make_loader(train_rows, sampler, tokenizer.pad_token_id, device))
-
-
-    def evaluate():
+    def evaluate(stop_requested=None):
         """Validation loss and legal-move rate."""
         model.eval()
         with autocast:
             sums = torch.stack([
-                *validation_loss_sums(model, eval_rows, args.batch_size_per_device, tokenizer.pad_token_id, device),
-                *legal_move_sums(model, tokenizer, prefixes, args.batch_size_per_device, args.max_seq_length, device)])
+                *validation_loss_sums(model, eval_rows, args.batch_size_per_device, tokenizer.pad_token_id, device,
+                                      stop_requested),
+                *legal_move_sums(model, tokenizer, prefixes, args.batch_size_per_device, args.max_seq_length, device,
+                                 stop_requested)])
         model.train()
         loss, tokens, legal, tried = sums.tolist()
         return {"eval_loss": loss / tokens, "legal_move_rate": legal / tried}
@@ -99,6 +112,9 @@ def main():
     if untrained is None:
         untrained = evaluate()
         tqdm.write(f"untrained model: {untrained}")
+    # From here on SIGTERM (preemption, time limit), Slurm's USR2 warning and Ctrl-C make the run save
+    # a checkpoint at the end of the step and stop (common/signals.py).
+    stop = StopFlag(device)
     metrics = MetricsLog(output_dir, enabled=True, report_to=args.report_to,
                          params=run_params(args, 1, device), resumed_at=start_step)
     progress = tqdm(range(start_step, args.max_steps), desc="train", initial=start_step, total=args.max_steps,
@@ -107,7 +123,7 @@ def main():
         timer = StepTimer(device)
         waiting = time.perf_counter()
         micro_batches = [{k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
-                         for _ in range(args.gradient_accumulation_steps)]
+                         for _ in range(accumulation)]
         timer.data_ready(waiting)
         # Every token of the global batch weighs the same: divide each micro-batch's summed
         # loss by the token count of the whole global batch, not by its own.
@@ -131,16 +147,18 @@ def main():
         record = {"step": step + 1, "loss": loss_total / tokens, "lr": scheduler.get_last_lr()[0],
                   "grad_norm": grad_norm, "tokens": int(tokens), "tokens_per_s": tokens / elapsed,
                   "tokens_per_s_per_device": tokens / elapsed, "step_time_s": elapsed,
-                  "data_wait_s": data_wait, "world_size": 1,
-                  "gradient_accumulation_steps": args.gradient_accumulation_steps,
+                  "data_wait_s": data_wait, "world_size": 1, "gradient_accumulation_steps": accumulation,
                   "batch_size_per_device": args.batch_size_per_device, **peak_memory(device),
                   **model_flops_utilization(tokens / elapsed, model_flops, device)}
-        preempted = preemption.requested()
-        if (args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.max_steps:
-            record.update(evaluate())
-            tqdm.write(f"step {step + 1}: eval_loss={record['eval_loss']:.4f} "
-                       f"legal_move_rate={record['legal_move_rate']:.3f}")
-        save_now = (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.max_steps or preempted
+        stopping = stop.requested()
+        if not stopping and ((args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.max_steps):
+            try:
+                record.update(evaluate(stop.requested))
+                tqdm.write(f"step {step + 1}: eval_loss={record['eval_loss']:.4f} "
+                           f"legal_move_rate={record['legal_move_rate']:.3f}")
+            except StopEvaluation:
+                stopping = True
+        save_now = (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.max_steps or stopping
         if save_now:
             saving = time.perf_counter()
             save_checkpoint(step + 1)
@@ -149,15 +167,17 @@ def main():
         if save_now:  # only now, with its step on record, does the checkpoint count
             mark_complete(checkpoint_dir(output_dir, step + 1), args.keep_checkpoints)
         progress.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
-        if preempted and step + 1 < args.max_steps:
+        if stopping:
             metrics.close()
-            tqdm.write(f"preempted: saved a checkpoint at step {step + 1} in {output_dir}; continue with --resume")
+            tqdm.write(f"preempted: saved a checkpoint at step {step + 1} in {output_dir}; continue with --resume "
+                       f"(stopped by {stop.reason()})")
             return
     metrics.close()
 
     # The final model in Hugging Face format, loadable with AutoModelForCausalLM.from_pretrained.
     model.save_pretrained(output_dir / "final", safe_serialization=True)
     tokenizer.save_pretrained(output_dir / "final")
+    readable_by_others(output_dir / "final")
     summary = write_summary(output_dir, "02_singlegpu", metrics.records, untrained, [peak_memory(device)])
     print_summary("02_singlegpu", summary)
 

@@ -9,17 +9,18 @@ them without this kit. The checkpoint folder also holds the run's config.json an
 """
 import argparse
 import os
+import pickle
 import shutil
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared `common` package
+import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-import torch  # noqa: E402
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # noqa: E402
+from torch.distributed.checkpoint.api import CheckpointException
 
-from common.checkpoint import MARKER, SafeReader, load_sharded  # noqa: E402
-from common.errors import UserError, exit_on_user_error  # noqa: E402
+from common.checkpoint import MARKER, SafeReader, load_sharded, readable_by_others
+from common.errors import UserError, exit_on_user_error
+from common.model import first_line
 
 
 def check_paths(checkpoint, out_dir):
@@ -39,13 +40,17 @@ def check_paths(checkpoint, out_dir):
 
 def load_model_weights(checkpoint):
     """The full model tensors of a DCP checkpoint, named as in the model's state dict."""
-    metadata = SafeReader(checkpoint).read_metadata()
-    # The checkpoint holds {"model": ..., "optimizer": ...}; allocate full-size tensors for the
-    # model's entries and let DCP fill them from every rank's pieces.
-    state = {key.removeprefix("model."): torch.empty(entry.size, dtype=entry.properties.dtype)
-             for key, entry in metadata.state_dict_metadata.items()
-             if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)}
-    load_sharded({"model": state}, checkpoint, no_dist=True)  # one process reads every rank's pieces
+    try:
+        metadata = SafeReader(checkpoint).read_metadata()
+        # The checkpoint holds {"model": ..., "optimizer": ...}; allocate full-size tensors for the
+        # model's entries and let DCP fill them from every rank's pieces.
+        state = {key.removeprefix("model."): torch.empty(entry.size, dtype=entry.properties.dtype)
+                 for key, entry in metadata.state_dict_metadata.items()
+                 if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)}
+        load_sharded({"model": state}, checkpoint, no_dist=True)  # one process reads every rank's pieces
+    except (OSError, RuntimeError, ValueError, KeyError, EOFError, pickle.UnpicklingError, CheckpointException) as err:
+        raise UserError(f"{checkpoint} cannot be read ({first_line(err)}): a shard file is missing or damaged; "
+                        "export an older complete checkpoint") from None
     return state
 
 
@@ -59,14 +64,21 @@ def export(checkpoint, out_dir):
     if missing:
         raise UserError(f"{checkpoint} lacks {len(missing)} of the model's weights (e.g. {sorted(missing)[0]}): "
                         "it does not match its config.json")
-    # Write next to OUT_DIR, then rename: an interrupted export leaves no half-written model.
-    partial = out_dir.with_name(out_dir.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    model.save_pretrained(partial, state_dict=weights, safe_serialization=True)
-    AutoTokenizer.from_pretrained(checkpoint).save_pretrained(partial)
-    if out_dir.exists():
-        out_dir.rmdir()  # empty, checked above
-    os.replace(partial, out_dir)
+    # Write next to OUT_DIR under a name of this process, then rename: an interrupted export leaves
+    # no half-written model, and nothing this export did not create is ever removed.
+    partial = out_dir.with_name(f"{out_dir.name}.partial-{os.getpid()}")
+    try:
+        partial.mkdir(parents=True)
+        model.save_pretrained(partial, state_dict=weights, safe_serialization=True)
+        AutoTokenizer.from_pretrained(checkpoint).save_pretrained(partial)
+        readable_by_others(partial)
+        if out_dir.exists():
+            out_dir.rmdir()  # empty, checked above
+        os.replace(partial, out_dir)
+    except OSError as err:
+        shutil.rmtree(partial, ignore_errors=True)  # ours
+        raise UserError(f"cannot write the model to {out_dir} ({err.strerror or first_line(err)}): choose a "
+                        "writable OUT_DIR on a disk with room for it") from None
 
 
 def main():

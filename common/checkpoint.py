@@ -5,6 +5,8 @@ writes its shards with torch.distributed.checkpoint), into OUTPUT_DIR/checkpoint
 A checkpoint counts only once its COMPLETE marker exists, and the marker is written last: a job
 killed in the middle of a save leaves a folder without a marker, which resume ignores.
 """
+import contextlib
+import errno
 import math
 import os
 import pickle
@@ -55,7 +57,8 @@ def load_newest(output_dir, load):
                   file=sys.stderr, flush=True)
     if checkpoints:
         raise UserError(f"none of the {len(checkpoints)} complete checkpoints in {output_dir}/checkpoints can "
-                        "be read: start afresh with --overwrite (or restore them from a backup)")
+                        "be read by this run (see the warnings above): if the files are damaged, restore them from "
+                        "a backup; they are left as they are. A new run can start in another --output_dir")
     return None
 
 
@@ -69,10 +72,64 @@ def stop_if_not_finite(loss, step, output_dir):
                     "Lower --learning_rate (or check the data and model files), then continue with --resume")
 
 
-def prepare(path):
-    """An empty folder for a new save (a leftover from a killed save at this step is removed)."""
+def tensor_bytes(state):
+    """Bytes of the tensors in a (nested) state dict; of this rank's shards for DTensors."""
+    if isinstance(state, dict):
+        return sum(tensor_bytes(value) for value in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(tensor_bytes(value) for value in state)
+    if isinstance(state, torch.Tensor):
+        local = state.to_local() if hasattr(state, "to_local") else state
+        return local.numel() * local.element_size()
+    return 0
+
+
+def size(n):
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def prepare(path, needed_bytes):
+    """An empty folder for a new save (a leftover from a killed save at this step is removed),
+    refused before writing anything if the disk cannot hold the checkpoint. Returns a context for
+    the writes: a disk that fills up anyway is one line too."""
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True)
+    free = shutil.disk_usage(path).free
+    if free < needed_bytes:
+        raise UserError(disk_full_message(path, needed_bytes, free))
+    return disk_full_is_one_line(path, needed_bytes)
+
+
+@contextlib.contextmanager
+def disk_full_is_one_line(path, needed_bytes):
+    """A checkpoint write that fills the disk stops the run with one line that says so (the
+    folder stays incomplete, without its marker: --resume never uses it)."""
+    try:
+        yield
+    except (OSError, RuntimeError, CheckpointException) as err:
+        if is_disk_full(err):
+            raise UserError(disk_full_message(path, needed_bytes)) from None
+        raise
+
+
+def disk_full_message(path, needed_bytes, free=None):
+    free = shutil.disk_usage(path.parent).free if free is None else free
+    return (f"no room for a checkpoint in {path.parent}: one needs about {size(needed_bytes)}, the disk has "
+            f"{size(free)} free. Free some space (--keep_checkpoints keeps fewer) or move --output_dir to a "
+            "bigger file system; the last complete checkpoint is untouched")
+
+
+def is_disk_full(err):
+    return getattr(err, "errno", None) == errno.ENOSPC or "No space left on device" in str(err)
+
+
+def readable_by_others(folder):
+    """Give saved files the permissions of the user's umask: safetensors creates them rw-------,
+    which would keep colleagues in a shared project directory from reading the model."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in [Path(folder), *Path(folder).rglob("*")]:
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def mark_complete(path, keep):
@@ -80,6 +137,7 @@ def mark_complete(path, keep):
     partial = path / f"{MARKER}.partial"
     partial.write_text("ok\n")
     os.replace(partial, path / MARKER)
+    readable_by_others(path)
     for old in complete_checkpoints(path.parent.parent)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
 

@@ -3,7 +3,8 @@
 Both functions work on the rows/prefixes they are given and return *sums* (tensors), so a
 distributed step can give each rank its share and add the sums up with one all_reduce.
 Every rank must make the same number of forward calls (FSDP gathers weights in each one),
-which is why nothing here stops early.
+which is why nothing here stops early, except when every rank agrees to stop: `stop()` is asked
+(a collective) before each batch, and a stop request ends the evaluation with StopEvaluation.
 """
 import random
 
@@ -11,13 +12,24 @@ import chess
 import torch
 
 from common.data import collate, count_loss_tokens, loss_sum
+from common.errors import UserError
+
+
+class StopEvaluation(Exception):
+    """Every rank was asked to stop (a signal) in the middle of an evaluation."""
+
+
+def check_stop(stop):
+    if stop is not None and stop():
+        raise StopEvaluation
 
 
 @torch.no_grad()
-def validation_loss_sums(model, rows, batch_size, pad_id, device):
+def validation_loss_sums(model, rows, batch_size, pad_id, device, stop=None):
     """(summed token loss, token count) over `rows`."""
     total, tokens = torch.zeros((), device=device), torch.zeros((), device=device)
     for first in range(0, len(rows), batch_size):
+        check_stop(stop)
         batch = {k: v.to(device) for k, v in collate(rows[first: first + batch_size], pad_id).items()}
         total += loss_sum(model, batch)
         tokens += count_loss_tokens(batch)
@@ -38,6 +50,15 @@ def game_prefixes(games, count, seed):
     return prefixes
 
 
+def share_of_rank(items, rank, world_size, what):
+    """This rank's share of the evaluation items (the same count on every rank, so that every rank
+    makes the same forward calls); refused when there is not even one item per rank."""
+    if len(items) < world_size:
+        raise UserError(f"the validation data gives {len(items)} {what}, fewer than the {world_size} ranks that "
+                        "evaluate them: use more validation games (or raise --eval_rows / --eval_games)")
+    return items[rank: len(items) - len(items) % world_size: world_size]
+
+
 def is_legal_continuation(prefix, move_text):
     board = chess.Board()
     for move in prefix:
@@ -56,13 +77,14 @@ def tokens_per_move(tokenizer):
 
 
 @torch.no_grad()
-def legal_move_sums(model, tokenizer, prefixes, batch_size, max_seq_length, device):
+def legal_move_sums(model, tokenizer, prefixes, batch_size, max_seq_length, device, stop=None):
     """(legal greedy moves, prefixes tried). Prompts are left-padded so every row's next token
     lands in the last column; positions count real tokens only."""
     steps = tokens_per_move(tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     legal = torch.zeros((), device=device)
     for first in range(0, len(prefixes), batch_size):
+        check_stop(stop)
         chunk = prefixes[first: first + batch_size]
         prompts = [[tokenizer.bos_token_id, *tokenizer(" ".join(p), add_special_tokens=False)["input_ids"]]
                    for p in chunk]

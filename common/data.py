@@ -1,123 +1,76 @@
-"""Chess games → token rows → the same global batches at any GPU count.
+"""Token rows → the same global batches at any GPU count.
 
-The lesson of the three steps is that they optimise the same thing. That holds only if
-every step sees the same samples in each optimiser step, whatever the world size and the
-gradient-accumulation split. So the data order is defined per *global* batch, and each
-rank simply takes its slice of it (see `GlobalBatchSampler`).
+The lesson of the steps is that they optimise the same thing. That holds only if every step sees
+the same samples in each optimiser step, whatever the world size and the gradient-accumulation
+split. So the data order is defined per *global* batch, and each rank simply takes its slice of
+it (see `GlobalBatchSampler`). The rows themselves are memory-mapped (common/prepare_data.py):
+a rank reads only the rows of its batches, whatever the size of the data set.
 """
 import functools
-import hashlib
-import json
-import os
-import pickle
-import re
-import sys
-from pathlib import Path
 
+import numpy as np
 import torch
 
 from common.errors import UserError
 
-UCI_MOVE = re.compile(r"^[a-h][1-8][a-h][1-8][qrbn]?$")
 IGNORE_INDEX = -100  # labels with this value add nothing to the loss (padding)
-# No legal game is longer than 8,848½ moves (the 75-move rule ends it): a longer line is not one game.
-MAX_PLIES = 17_697
-ROWS_FORMAT = 2  # part of the cache key: bump when build_rows changes what it makes
 
 
-def read_games(path):
-    """Read one `{"text": "e2e4 e7e5 ..."}` per line; refuse anything else with file:line."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"{path} does not exist: run `python 01_download/download.py --demo --out demo` "
-                        "(or the real download) first, or pass --data_dir")
-    games = []
-    with path.open("rb") as lines:  # bytes, so that a line that is not UTF-8 can be named
-        for number, raw in enumerate(lines, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                raise UserError(f"{path}:{number}: not UTF-8 text; is this the JSONL file the download "
-                                "step wrote?") from None
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise UserError(f"{path}:{number}: not valid JSON ({err.msg}); "
-                                'each line must be {"text": "e2e4 e7e5 ..."}') from None
-            text = record.get("text") if isinstance(record, dict) else None
-            if not isinstance(text, str) or not text.strip():
-                raise UserError(f'{path}:{number}: expected {{"text": "<space-separated UCI moves>"}}')
-            moves = text.split()
-            bad = next((move for move in moves if not UCI_MOVE.match(move)), None)
-            if bad is not None:
-                raise UserError(f"{path}:{number}: {bad!r} is not a UCI move (like e2e4 or e7e8q)")
-            if len(moves) > MAX_PLIES:
-                raise UserError(f"{path}:{number}: {len(moves):,} moves, more than any chess game can have "
-                                f"({MAX_PLIES:,}): are several games on one line? Write one game per line")
-            games.append(" ".join(moves))
-    if not games:
-        raise UserError(f"{path} holds no games: re-run the download step")
-    return games
+class ShuffledOrder:
+    """A seeded permutation of 0..n-1 that is computed one position at a time: `order(epoch,
+    positions)` is the row at those positions of that epoch's shuffle. Nothing of size n is ever
+    built, so a step costs the same for a thousand rows or a billion. It is a small Feistel
+    network (the construction of block ciphers: a bijection on 2^bits numbers, whatever the round
+    function) with cycle-walking: a number that lands outside 0..n-1 is mapped again until inside."""
 
+    ROUNDS = 4
 
-def tokenize_games(games, tokenizer):
-    """Token ids of each game: BOS, the moves, EOS (so packed games stay separable)."""
-    ids = tokenizer(games, add_special_tokens=False)["input_ids"]
-    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
-    return [[bos, *game, eos] for game in ids]
+    def __init__(self, n, seed):
+        self.n = n
+        self.half_bits = max(1, (max(n - 1, 1).bit_length() + 1) // 2)
+        self.mask = np.uint64((1 << self.half_bits) - 1)
+        self.seed = seed
 
+    @staticmethod
+    def _mix(x):
+        """splitmix64's finaliser: every input bit affects every output bit."""
+        with np.errstate(over="ignore"):
+            x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+            x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+            return x ^ (x >> np.uint64(31))
 
-def build_rows(games, tokenizer, max_seq_length, pack):
-    """Training rows. Games longer than a row are split, never cut short: the tail of a long game
-    (how it ends) is worth as much as its opening.
-    Packed: games concatenated and cut into full rows (no padding at all; a game continues in
-    the next row). Unpacked: one game per row, padded later per micro-batch; a game longer than
-    max_seq_length continues in rows of its own."""
-    games = tokenize_games(games, tokenizer)
-    if not pack:
-        return [torch.tensor(game[start: start + max_seq_length]) for game in games
-                for start in range(0, len(game), max_seq_length)
-                if len(game) - start > 1]  # a lone last token has nothing to predict
-    stream = torch.tensor([token for game in games for token in game])
-    full_rows = len(stream) // max_seq_length
-    return list(stream[: full_rows * max_seq_length].view(full_rows, max_seq_length))
+    def _permute(self, x, keys):
+        left, right = x >> np.uint64(self.half_bits), x & self.mask
+        for key in keys:
+            with np.errstate(over="ignore"):
+                left, right = right, left ^ (self._mix(right + key) & self.mask)
+        return (left << np.uint64(self.half_bits)) | right
 
-
-def load_rows(data_file, tokenizer, max_seq_length, pack, cache_dir):
-    """Tokenize once and cache: the cache key covers the data, the tokenizer and the settings,
-    so a change to any of them re-tokenizes instead of reusing stale rows."""
-    games = read_games(data_file)
-    key = hashlib.sha256(json.dumps(
-        [games, tokenizer.name_or_path, len(tokenizer), max_seq_length, pack, ROWS_FORMAT]).encode()).hexdigest()[:16]
-    cache = Path(cache_dir) / f"{Path(data_file).stem}-{key}.pt"
-    if cache.is_file():
-        try:  # weights_only: a cache file (in a shared data dir) cannot run code, only be refused
-            return torch.load(cache, weights_only=True), games
-        except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as err:
-            reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
-            print(f"warning: {cache} is unreadable ({reason}): tokenizing again", file=sys.stderr, flush=True)
-    rows = build_rows(games, tokenizer, max_seq_length, pack)
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    partial = cache.with_suffix(f".tmp{os.getpid()}")
-    torch.save(rows, partial)
-    os.replace(partial, cache)  # atomic: ranks tokenizing at once never read half a file
-    return rows, games
+    def order(self, epoch, positions):
+        with np.errstate(over="ignore"):
+            keys = [self._mix(np.uint64(self.seed) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(epoch * self.ROUNDS + r))
+                    for r in range(self.ROUNDS)]
+        x = np.asarray(positions, dtype=np.uint64)
+        x = self._permute(x, keys)
+        outside = x >= self.n
+        while outside.any():  # at most a few rounds: the domain is less than 4 n
+            x[outside] = self._permute(x[outside], keys)
+            outside = x >= self.n
+        return x.astype(np.int64)
 
 
 class GlobalBatchSampler:
     """Yields, for this rank, the index lists of its micro-batches, step after step.
 
-    Optimiser step s uses global batch s: `global_batch_size` rows taken from a seeded
-    permutation of the data (a new one each epoch). Rank r takes the r-th contiguous slice
-    and cuts it into `gradient_accumulation_steps` micro-batches. The global batch never
-    depends on how it is split, so 1 GPU × 4 micro-batches and 4 GPUs × 1 see the same rows,
-    and resuming at step s needs nothing but s.
+    Optimiser step s uses global batch s: `global_batch_size` consecutive positions of a seeded
+    shuffle of the rows (a new shuffle each epoch). Rank r takes the r-th contiguous slice and
+    cuts it into `gradient_accumulation_steps` micro-batches. The global batch never depends on
+    how it is split, so 1 GPU × 4 micro-batches and 4 GPUs × 1 see the same rows, and resuming
+    at step s needs nothing but s.
     """
 
     def __init__(self, num_rows, batch_size_per_device, gradient_accumulation_steps,
-                 rank, world_size, seed, start_step, max_steps):
+                 rank, world_size, seed, max_steps):
         self.per_rank = batch_size_per_device * gradient_accumulation_steps
         self.global_batch_size = self.per_rank * world_size
         if num_rows < self.global_batch_size:
@@ -125,16 +78,20 @@ class GlobalBatchSampler:
                 f"the data has {num_rows} rows but one global batch needs {self.global_batch_size} "
                 f"({batch_size_per_device} per device × {gradient_accumulation_steps} accumulation × "
                 f"{world_size} ranks): use more data or a smaller batch")
-        self.num_rows, self.micro = num_rows, batch_size_per_device
-        self.rank, self.seed = rank, seed
-        self.start_step, self.max_steps = start_step, max_steps
+        self.micro, self.rank = batch_size_per_device, rank
+        self.start_step, self.max_steps = 0, max_steps
         self.steps_per_epoch = num_rows // self.global_batch_size
+        self.shuffle = ShuffledOrder(num_rows, seed)
+
+    def starting_at(self, step):
+        """The same batches, from optimiser step `step` on (a resumed run)."""
+        self.start_step = step
+        return self
 
     def global_batch(self, step):
         epoch, position = divmod(step, self.steps_per_epoch)
-        order = torch.randperm(self.num_rows, generator=torch.Generator().manual_seed(self.seed + epoch))
-        start = position * self.global_batch_size
-        return order[start: start + self.global_batch_size].tolist()
+        first = position * self.global_batch_size
+        return self.shuffle.order(epoch, range(first, first + self.global_batch_size)).tolist()
 
     def __iter__(self):
         for step in range(self.start_step, self.max_steps):

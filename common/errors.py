@@ -1,4 +1,5 @@
 """One clear line for a user's mistake, instead of a traceback."""
+import os
 import sys
 
 
@@ -6,10 +7,41 @@ class UserError(Exception):
     """A problem the user can fix: bad paths, bad arguments, bad data. Printed as one line."""
 
 
+# What a Ctrl-C that stops the run at once should tell; the run's output directory sets it.
+interrupted_note = ["nothing was saved"]
+# Set by common.signals when the run is told to stop (SIGTERM, USR2, Ctrl-C).
+stop_signal = [None]
+
+
 def exit_on_user_error(main):
-    """Run main(); turn a UserError into `error: ...` on stderr and exit status 2."""
+    """Run main(); turn a UserError into `error: ...` on stderr and exit status 2, and a Ctrl-C
+    into one `interrupted:` line. Under torchrun every rank checks the same inputs and fails the
+    same way, so only rank 0 prints the line: once per job, not once per rank."""
+    speaks = os.environ.get("RANK", "0") == "0"
     try:
         return main()
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
+        if speaks:
+            print(f"error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except KeyboardInterrupt:
+        if speaks:
+            print(f"interrupted: {interrupted_note[0]}", file=sys.stderr, flush=True)
+        sys.exit(130)
+    except Exception as err:
+        if stop_signal[0] is None and not lost_another_rank(err):
+            raise
+        # Another rank ended first (an error, a kill), and this one learnt it from a collective that
+        # failed, or from torchrun's SIGTERM: the rank that ended says why; no traceback here.
+        first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+        print(f"stopped: rank {os.environ.get('RANK', 0)} lost another rank of the job ({first})",
+              file=sys.stderr, flush=True)
+        sys.exit(128 + stop_signal[0] if stop_signal[0] else 1)
+
+
+def lost_another_rank(err):
+    """A collective that failed because a peer process is gone (gloo, NCCL, the rendezvous store)."""
+    import torch.distributed as dist
+    text = str(err)
+    return isinstance(err, dist.DistError) or any(words in text for words in (
+        "Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted"))

@@ -5,6 +5,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import torch
 
 from common.tracking import Tracker
@@ -17,13 +18,14 @@ class MetricsLog:
     def __init__(self, output_dir, enabled, report_to=(), params=None, resumed_at=0):
         path = Path(output_dir) / "metrics.jsonl"
         if enabled and resumed_at and path.exists():  # keep the steps up to the checkpoint; later ones will be redone
-            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= resumed_at]
+            kept = [line for line in path.read_text().splitlines() if step_of(line) <= resumed_at]
             path.write_text("".join(line + "\n" for line in kept))
         self.file = path.open("a" if resumed_at else "w", encoding="utf-8") if enabled else None
         self.tracker = Tracker(list(report_to), Path(output_dir), Path(output_dir).name, params or {}, enabled)
         self.records = []
 
     def write(self, record):
+        record["since_start_s"] = round(time.time() - psutil.Process().create_time(), 2)  # time to first step
         if self.file is not None:
             self.records.append(record)
             self.file.write(json.dumps(record) + "\n")
@@ -34,6 +36,14 @@ class MetricsLog:
         if self.file is not None:
             self.file.close()
         self.tracker.close()
+
+
+def step_of(line):
+    """The step of a metrics.jsonl line; a line cut short by a killed write counts as a later step."""
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return float("inf")
 
 
 def run_params(args, world_size, device):
@@ -113,14 +123,14 @@ def write_summary(output_dir, name, records, untrained, peaks_per_rank):
         "world_size": last["world_size"],
         "steps": last["step"],
         "final_loss": round(last["loss"], 4),
-        "eval_loss": round(last["eval_loss"], 4),
+        "eval_loss": round(last.get("eval_loss", float("nan")), 4),
         "tokens_per_s": round(tokens_per_s, 1),
         "tokens_per_s_per_device": round(tokens_per_s / last["world_size"], 1),
         "step_time_s": round(step_time / len(timed), 4),
         "data_wait_share": round(sum(r["data_wait_s"] for r in timed) / step_time, 4),
         "peak_rss_mib_per_rank": max(p["peak_rss_mib"] for p in peaks_per_rank),
         "legal_move_rate_untrained": round(untrained["legal_move_rate"], 3),
-        "legal_move_rate": round(last["legal_move_rate"], 3),
+        "legal_move_rate": round(last.get("legal_move_rate", float("nan")), 3),
     }
     for key in ("peak_gpu_allocated_mib", "peak_gpu_reserved_mib"):
         if key in peaks_per_rank[0]:

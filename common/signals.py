@@ -1,10 +1,16 @@
-"""Stopping well: on a preemption warning, and when the launcher dies.
+"""Stopping well: on a preemption or time-limit signal, on Ctrl-C, and when the launcher dies.
 
-Slurm warns a job before its time limit or a preemption with a signal (`--signal=USR2@120` in
-the kit's templates; submitit uses USR2 too). A training process that gets it finishes the
-optimiser step it is in, saves a checkpoint, and exits cleanly; the job is requeued and
-continues with --resume. The signal handler only raises a flag: saving inside a handler could
-interrupt a collective halfway, and the ranks must all stop at the same step.
+A signal handler only raises a flag; the training loop asks for it at points that every rank
+reaches together (after each optimiser step, and between evaluation batches), the ranks agree
+with one all-reduce, save a checkpoint and exit. Saving inside the handler could interrupt a
+collective halfway, and the ranks must all stop at the same step.
+
+  SIGTERM  "stop now": Slurm at a preemption (to every process of the job) and at the time limit,
+           torchrun when it is stopped (it forwards SIGTERM to its ranks and kills them 30 s
+           later), `kill`. The run finishes the optimiser step it is in, saves, and exits.
+  SIGUSR2  Slurm's early warning before the time limit (`--signal=B:USR2@300` in the kit's
+           templates; submitit uses USR2 too): the same, with minutes to spare.
+  SIGINT   Ctrl-C: the same; a second Ctrl-C stops at once, without saving.
 """
 import ctypes
 import os
@@ -14,29 +20,40 @@ import sys
 import torch
 import torch.distributed as dist
 
-PREEMPTION_SIGNAL = signal.SIGUSR2  # one signal for the whole kit, the same as submitit's
+from common import errors
+
+PREEMPTION_SIGNAL = signal.SIGUSR2  # one warning signal for the whole kit, the same as submitit's
 _PR_SET_PDEATHSIG = 1
 
 
-class PreemptionFlag:
-    """Set by the preemption signal; `requested()` tells, at a step boundary, whether to stop."""
+class StopFlag:
+    """Set by SIGTERM, SIGUSR2 or Ctrl-C; `requested()` tells, at a point every rank reaches,
+    whether to save and stop."""
 
     def __init__(self, device):
         self.device = device
-        self.received = False
-        signal.signal(PREEMPTION_SIGNAL, self._handle)
+        self.received = None
+        for signum in (signal.SIGTERM, PREEMPTION_SIGNAL, signal.SIGINT):
+            signal.signal(signum, self._handle)
 
     def _handle(self, signum, frame):
-        self.received = True
+        if signum == signal.SIGINT and self.received == signal.SIGINT:
+            raise KeyboardInterrupt  # the second Ctrl-C: stop at once
+        self.received = errors.stop_signal[0] = signum
 
     def requested(self):
-        """True on every rank if any rank got the signal (the signal may reach the ranks of
-        different nodes a step apart). A collective: call it at the same point on all ranks."""
+        """True on every rank if any rank got a signal (the signal may reach the ranks of
+        different nodes at different moments). A collective: call it at the same point on all ranks."""
         if not dist.is_initialized():
-            return self.received
-        flag = torch.tensor(float(self.received), device=self.device)
+            return self.received is not None
+        flag = torch.tensor(float(self.received is not None), device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+    def reason(self):
+        names = {signal.SIGTERM: "SIGTERM", PREEMPTION_SIGNAL: "the preemption warning (USR2)",
+                 signal.SIGINT: "Ctrl-C"}
+        return names.get(self.received, "a signal on another rank")
 
 
 def die_with_launcher():

@@ -1,12 +1,11 @@
 #!/bin/bash
 # Step 4 on a Slurm cluster: FSDP, the model sharded over every GPU of every node.
 #
-#   sbatch slurm/fsdp.sh                                   # from the repository root
-#   TOTAL_BATCH_SIZE=64 BATCH_SIZE_PER_DEVICE=2 sbatch slurm/fsdp.sh --learning_rate 2e-5
-#   sbatch --nodes=1 --gpus-per-node=2 slurm/fsdp.sh      # sbatch options beat the header
+#   sbatch slurm/fsdp.sh                                   # from the repository root: the demo
+#   MODEL=codellama/CodeLlama-7b-hf DATA_DIR=/scratch/$USER/chess/data sbatch slurm/fsdp.sh --gradient_checkpointing
+#   TOTAL_BATCH_SIZE=32 BATCH_SIZE_PER_DEVICE=2 sbatch --nodes=1 --gpus-per-node=2 slurm/fsdp.sh
 #
-# Environment: MODEL DATA_DIR OUTPUT_DIR TOTAL_BATCH_SIZE BATCH_SIZE_PER_DEVICE (defaults in
-# slurm/launch_lib.sh); arguments after the script name go to 04_fsdp/train.py.
+# Arguments after the script name go to 04_fsdp/train.py (--help lists them).
 #
 # ---- site setup: edit this block for your cluster ------------------------------------------
 #SBATCH --job-name=fsdp
@@ -25,31 +24,52 @@
 # source "$HOME/venvs/chess/bin/activate"      # or: conda activate chess-fsdp
 # export HF_HOME=/scratch/$USER/huggingface    # the cache that 01_download filled
 # ---- end of site setup -----------------------------------------------------------------------
-# Preemption and time limits (slurm/README.md): 300 s before the time limit Slurm sends USR2 to
-# this script (B:), which forwards it to the training; that saves a checkpoint and stops, and
-# the script requeues the job, which continues from the checkpoint. One log for all attempts.
+# Preemption and time limits (slurm/preemption.sh): a warning 300 s before the time limit, a
+# checkpoint, and the job requeued under the same id.
 #SBATCH --signal=B:USR2@300
 #SBATCH --requeue
 #SBATCH --open-mode=append
 
 set -euo pipefail
-# sbatch runs a copy of this file from its spool directory, so the kit is found from the
-# directory sbatch was run in.
-# shellcheck source=slurm/launch_lib.sh
-source "${SLURM_SUBMIT_DIR:-.}/slurm/launch_lib.sh" \
-  || { echo "error: run sbatch from the repository root (no slurm/launch_lib.sh in ${SLURM_SUBMIT_DIR:-.})" >&2; exit 2; }
-trap forward_preemption_warning USR2
-setup_training_job "$@"
+[[ -n ${SLURM_JOB_ID:-} ]] || { echo "error: submit this script with sbatch (it needs a Slurm allocation)" >&2; exit 2; }
+cd "$SLURM_SUBMIT_DIR"  # sbatch runs a copy of this file: the kit is where sbatch was run
 
-# One torchrun per node (srun starts them); each starts one process per GPU. The processes of
-# all nodes meet at the rendezvous on the first node and number themselves 0..N-1; a failure
-# anywhere ends the whole step (--kill-on-bad-exit). torchrun ignores USR2 (its processes handle it).
-srun --kill-on-bad-exit=1 --nodes="$NODES" --ntasks-per-node=1 \
-  "${USR2_IGNORED[@]}" torchrun --nnodes="$NODES" --nproc-per-node="$GPUS_PER_NODE" \
-  --rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="$RDZV_ID" \
-  04_fsdp/train.py \
-  --model "$MODEL" --data_dir "$DATA_DIR" --output_dir "$OUTPUT_DIR" --device "$DEVICE" \
-  --batch_size_per_device "$BATCH_SIZE_PER_DEVICE" \
-  --gradient_accumulation_steps "$GRADIENT_ACCUMULATION_STEPS" \
-  "${TRAINING_ARGS[@]}" &
-wait_for_step $!
+# The run. Paths are relative to the repository root; set any of these in the shell that runs sbatch.
+MODEL=${MODEL:-demo/model}
+DATA_DIR=${DATA_DIR:-demo/data}
+OUTPUT_DIR=${OUTPUT_DIR:-runs/$SLURM_JOB_NAME-$SLURM_JOB_ID}
+TOTAL_BATCH_SIZE=${TOTAL_BATCH_SIZE:-64}        # rows per optimiser step, the same at any GPU count
+BATCH_SIZE_PER_DEVICE=${BATCH_SIZE_PER_DEVICE:-4}
+
+# The GPUs come from the allocation (`sbatch --gpus-per-node=2` beats the header). The training
+# script works out the gradient accumulation, TOTAL_BATCH_SIZE / (BATCH_SIZE_PER_DEVICE × GPUs),
+# and refuses a total that does not divide.
+GPUS_PER_NODE=${SLURM_GPUS_ON_NODE:-0}
+((GPUS_PER_NODE > 0)) || { echo "error: this job has no GPUs: keep '#SBATCH --gpus-per-node=N'" >&2; exit 2; }
+python -c 'import common' 2>/dev/null || { echo "error: the kit's Python environment is not active in" \
+  "the job: activate it before sbatch, or in the site-setup block" >&2; exit 2; }
+echo "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $SLURM_NNODES node(s) × $GPUS_PER_NODE GPU(s)" \
+  "on $SLURM_JOB_NODELIST; output in $OUTPUT_DIR"
+
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1  # compute nodes are offline: everything is on disk (01_download)
+export OMP_NUM_THREADS=$(( ${SLURM_CPUS_PER_TASK:-$GPUS_PER_NODE} / GPUS_PER_NODE ))  # the node's CPUs, split
+export SRUN_CPUS_PER_TASK=${SLURM_CPUS_PER_TASK:-1}  # srun of Slurm 22.05-23.02 does not inherit it
+
+# All nodes' processes meet at a rendezvous on the first node, on a port derived from the job id
+# (jobs sharing a node never collide); a requeued job keeps its id, so the restart count makes a
+# fresh rendezvous for each attempt.
+FIRST_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+RDZV_PORT=$((20000 + SLURM_JOB_ID % 20000))
+echo "rendezvous $FIRST_NODE:$RDZV_PORT id $SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}"
+# shellcheck source=slurm/preemption.sh
+source slurm/preemption.sh  # the USR2 and TERM traps, USR2_IGNORED, wait_for_training
+
+# One torchrun per node (srun starts them); each starts one process per GPU. A failure anywhere
+# ends the whole step (--kill-on-bad-exit). torchrun ignores USR2 (its processes handle it).
+# `python -m common.torchrun` is torchrun itself, with a user's mistake reported as one line.
+srun --kill-on-bad-exit=1 --nodes="$SLURM_NNODES" --ntasks-per-node=1 "${USR2_IGNORED[@]}" \
+  python -m common.torchrun --nnodes="$SLURM_NNODES" --nproc-per-node="$GPUS_PER_NODE" \
+  --rdzv-backend=c10d --rdzv-endpoint="$FIRST_NODE:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}" \
+  04_fsdp/train.py --model "$MODEL" --data_dir "$DATA_DIR" --output_dir "$OUTPUT_DIR" \
+  --total_batch_size "$TOTAL_BATCH_SIZE" --batch_size_per_device "$BATCH_SIZE_PER_DEVICE" "$@" &
+wait_for_training $!

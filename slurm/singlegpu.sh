@@ -1,11 +1,10 @@
 #!/bin/bash
 # Step 2 on a Slurm cluster: one GPU, one process, no torchrun.
 #
-#   sbatch slurm/singlegpu.sh                              # from the repository root
+#   sbatch slurm/singlegpu.sh                              # from the repository root: the demo
 #   TOTAL_BATCH_SIZE=64 BATCH_SIZE_PER_DEVICE=2 sbatch slurm/singlegpu.sh --learning_rate 2e-5
 #
-# Environment: MODEL DATA_DIR OUTPUT_DIR TOTAL_BATCH_SIZE BATCH_SIZE_PER_DEVICE (defaults in
-# slurm/launch_lib.sh); arguments after the script name go to 02_singlegpu/train.py.
+# Arguments after the script name go to 02_singlegpu/train.py (--help lists them).
 #
 # ---- site setup: edit this block for your cluster ------------------------------------------
 #SBATCH --job-name=singlegpu
@@ -24,30 +23,42 @@
 # source "$HOME/venvs/chess/bin/activate"      # or: conda activate chess-fsdp
 # export HF_HOME=/scratch/$USER/huggingface    # the cache that 01_download filled
 # ---- end of site setup -----------------------------------------------------------------------
-# Preemption and time limits (slurm/README.md): 300 s before the time limit Slurm sends USR2 to
-# this script (B:), which forwards it to the training; that saves a checkpoint and stops, and
-# the script requeues the job, which continues from the checkpoint. One log for all attempts.
+# Preemption and time limits (slurm/preemption.sh): a warning 300 s before the time limit, a
+# checkpoint, and the job requeued under the same id.
 #SBATCH --signal=B:USR2@300
 #SBATCH --requeue
 #SBATCH --open-mode=append
 
 set -euo pipefail
-# sbatch runs a copy of this file from its spool directory, so the kit is found from the
-# directory sbatch was run in.
-# shellcheck source=slurm/launch_lib.sh
-source "${SLURM_SUBMIT_DIR:-.}/slurm/launch_lib.sh" \
-  || { echo "error: run sbatch from the repository root (no slurm/launch_lib.sh in ${SLURM_SUBMIT_DIR:-.})" >&2; exit 2; }
-trap forward_preemption_warning USR2
-setup_training_job "$@"
-((NODES == 1 && GPUS_PER_NODE == 1)) \
-  || die "step 2 uses one GPU on one node, this job has $NODES node(s) × $GPUS_PER_NODE GPU(s): use slurm/ddp.sh or slurm/fsdp.sh"
+[[ -n ${SLURM_JOB_ID:-} ]] || { echo "error: submit this script with sbatch (it needs a Slurm allocation)" >&2; exit 2; }
+cd "$SLURM_SUBMIT_DIR"  # sbatch runs a copy of this file: the kit is where sbatch was run
 
-# A plain python process on the one GPU; the whole total batch goes through it by gradient
-# accumulation. It ignores USR2 until the training has installed its handler.
-srun --kill-on-bad-exit=1 --nodes=1 --ntasks=1 \
-  "${USR2_IGNORED[@]}" python 02_singlegpu/train.py \
-  --model "$MODEL" --data_dir "$DATA_DIR" --output_dir "$OUTPUT_DIR" --device "$DEVICE" \
-  --batch_size_per_device "$BATCH_SIZE_PER_DEVICE" \
-  --gradient_accumulation_steps "$GRADIENT_ACCUMULATION_STEPS" \
-  "${TRAINING_ARGS[@]}" &
-wait_for_step $!
+# The run. Paths are relative to the repository root; set any of these in the shell that runs sbatch.
+MODEL=${MODEL:-demo/model}
+DATA_DIR=${DATA_DIR:-demo/data}
+OUTPUT_DIR=${OUTPUT_DIR:-runs/$SLURM_JOB_NAME-$SLURM_JOB_ID}
+TOTAL_BATCH_SIZE=${TOTAL_BATCH_SIZE:-64}        # rows per optimiser step, the same at any GPU count
+BATCH_SIZE_PER_DEVICE=${BATCH_SIZE_PER_DEVICE:-4}
+
+# One GPU: the whole total batch goes through it by gradient accumulation, TOTAL_BATCH_SIZE /
+# BATCH_SIZE_PER_DEVICE steps, which the training script works out.
+GPUS_PER_NODE=${SLURM_GPUS_ON_NODE:-0}
+((SLURM_NNODES == 1 && GPUS_PER_NODE == 1)) || { echo "error: step 2 uses one GPU on one node, this job has" \
+  "$SLURM_NNODES node(s) × $GPUS_PER_NODE GPU(s): use slurm/ddp.sh or slurm/fsdp.sh" >&2; exit 2; }
+python -c 'import common' 2>/dev/null || { echo "error: the kit's Python environment is not active in" \
+  "the job: activate it before sbatch, or in the site-setup block" >&2; exit 2; }
+echo "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $SLURM_NNODES node(s) × $GPUS_PER_NODE GPU(s)" \
+  "on $SLURM_JOB_NODELIST; output in $OUTPUT_DIR"
+
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1  # compute nodes are offline: everything is on disk (01_download)
+export OMP_NUM_THREADS=$(( ${SLURM_CPUS_PER_TASK:-$GPUS_PER_NODE} / GPUS_PER_NODE ))  # the node's CPUs, split
+export SRUN_CPUS_PER_TASK=${SLURM_CPUS_PER_TASK:-1}  # srun of Slurm 22.05-23.02 does not inherit it
+
+# shellcheck source=slurm/preemption.sh
+source slurm/preemption.sh  # the USR2 and TERM traps, USR2_IGNORED, wait_for_training
+
+# A plain python process on the one GPU. It ignores USR2 until the training has installed its handler.
+srun --kill-on-bad-exit=1 --nodes=1 --ntasks=1 "${USR2_IGNORED[@]}" \
+  python 02_singlegpu/train.py --model "$MODEL" --data_dir "$DATA_DIR" --output_dir "$OUTPUT_DIR" \
+  --total_batch_size "$TOTAL_BATCH_SIZE" --batch_size_per_device "$BATCH_SIZE_PER_DEVICE" "$@" &
+wait_for_training $!

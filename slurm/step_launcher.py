@@ -1,8 +1,12 @@
 """What `submit.py` runs inside the Slurm job: one task per node starts the step there.
 
 submitit pickles the launcher *by reference* (module and class name) and the job unpickles it,
-so it lives in this module of the repository, which submit.py puts on the job's PYTHONPATH.
-Import nothing heavy at module level: submit.py imports this on the login node.
+so it lives in this module of the installed kit. Import nothing heavy at module level: submit.py
+imports this on the login node.
+
+The torchrun line is the one of the sbatch templates (slurm/ddp.sh, fsdp.sh); the training script
+does the rest as it does there: the gradient accumulation from --total_batch_size, the device,
+and continuing the run after a requeue.
 """
 import ctypes
 import os
@@ -13,16 +17,11 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-STEP_SCRIPTS = {"singlegpu": "02_singlegpu/train.py", "ddp": "03_ddp/train.py", "fsdp": "04_fsdp/train.py"}
-PREEMPTION_SIGNAL = signal.SIGUSR2  # the kit's one preemption signal (submitit's default)
+from common.steps import REPO, STEP_SCRIPTS
+
+PREEMPTION_SIGNAL = signal.SIGUSR2  # the kit's one warning signal (submitit's default)
 PREEMPTION_WARNING_S = 300  # how long before the time limit Slurm sends it (as in the templates)
 PR_SET_PDEATHSIG = 1
-
-
-def rendezvous_port(job_id):
-    """Derived from the job id: two jobs sharing a node never pick the same port."""
-    return 20000 + int(job_id) % 20000
 
 
 def _prepare_child():
@@ -31,8 +30,7 @@ def _prepare_child():
     # Slurm's clean-up and keeps its rendezvous port and store alive for later jobs.
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     # Slurm delivers the preemption signal to every process of the step; torchrun's agent would
-    # die of it. Ignored here (SIG_IGN survives exec); a training script that checkpoints on
-    # preemption installs its own handler.
+    # die of it. Ignored here (SIG_IGN survives exec); the training installs its own handler.
     signal.signal(PREEMPTION_SIGNAL, signal.SIG_IGN)
 
 
@@ -42,7 +40,7 @@ class StepLauncher:
     On the preemption warning (USR2, `--signal=USR2@...`: Slurm sends it to every process of
     the job) the training processes save a checkpoint and stop; submitit calls `checkpoint()`
     on the first node, which waits for that, and requeues the job with a fresh launcher. The
-    requeued job continues the run (`--resume`)."""
+    requeued job continues the run (the training script sees SLURM_RESTART_COUNT)."""
 
     def __init__(self, step, gpus_per_node, cpus_per_task, training_args, warning_s=PREEMPTION_WARNING_S):
         self.step = step
@@ -52,38 +50,17 @@ class StepLauncher:
         self.warning_s = warning_s
         self.process = None  # the running torchrun (or python for step 2)
 
-    def command(self, num_nodes, first_node, port, rdzv_id, device, job_id, restarts=0):
-        """The step's launch line, as a user would type it on one node. A requeued job (same
-        job id, restarts > 0) continues its run from the newest checkpoint: --resume, and an
-        --overwrite meant for the first start is dropped (it would delete that checkpoint)."""
-        script_args = [arg.replace("%j", str(job_id)) for arg in self.training_args] + ["--device", device]
-        if int(restarts) > 0:
-            script_args = [arg for arg in script_args if arg != "--overwrite"] + ["--resume"]
+    def command(self, num_nodes, first_node, port, job_id, restarts=0):
+        """The step's launch line on one node, as in the sbatch templates: the rendezvous on the
+        first node, a fresh one for each attempt of the job."""
+        script_args = [arg.replace("%j", str(job_id)) for arg in self.training_args]
         if self.step == "singlegpu":
             return [sys.executable, STEP_SCRIPTS[self.step], *script_args]
-        torchrun = Path(sys.executable).with_name("torchrun")  # the one of this environment
-        return [str(torchrun) if torchrun.exists() else "torchrun",
-                f"--nnodes={num_nodes}", f"--nproc-per-node={self.gpus_per_node}",
-                "--rdzv-backend=c10d", f"--rdzv-endpoint={first_node}:{port}", f"--rdzv-id={rdzv_id}",
+        # torchrun itself, with a user's mistake reported as one line (common/torchrun.py)
+        return [sys.executable, "-m", "common.torchrun", f"--nnodes={num_nodes}",
+                f"--nproc-per-node={self.gpus_per_node}", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={first_node}:{port}", f"--rdzv-id={job_id}-{restarts}",
                 STEP_SCRIPTS[self.step], *script_args]
-
-    def pick_device(self):
-        """cuda, or cpu where the allocated GPUs are not usable by CUDA (the test cluster's
-        fake GPUs): then one CPU process per allocated GPU, talking over gloo."""
-        import torch
-
-        allocated = int(os.environ.get("SLURM_GPUS_ON_NODE", "0"))
-        if allocated != self.gpus_per_node:
-            raise RuntimeError(f"asked for {self.gpus_per_node} GPUs per node, but Slurm allocated {allocated}")
-        usable = torch.cuda.device_count()
-        if usable >= allocated:
-            return "cuda"
-        if usable == 0:
-            print(f"note: the GPUs that Slurm allocated (CUDA_VISIBLE_DEVICES="
-                  f"{os.environ.get('CUDA_VISIBLE_DEVICES', '')}) are not usable by CUDA here: running one "
-                  "CPU process per allocated GPU instead (--device cpu, gloo)", flush=True)
-            return "cpu"
-        raise RuntimeError(f"Slurm allocated {allocated} GPUs but CUDA sees only {usable}")
 
     def __call__(self):
         import submitit
@@ -91,10 +68,8 @@ class StepLauncher:
         job = submitit.JobEnvironment()
         job_id = os.environ["SLURM_JOB_ID"]  # of the whole job, also in an array
         restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
-        command = self.command(
-            num_nodes=job.num_nodes, first_node=job.hostnames[0], port=rendezvous_port(job_id),
-            # A requeued job keeps its id: the restart count makes a fresh rendezvous.
-            rdzv_id=f"{job_id}-{restarts}", device=self.pick_device(), job_id=job_id, restarts=restarts)
+        # The port is derived from the job id, as in the templates: jobs sharing a node never collide.
+        command = self.command(job.num_nodes, job.hostnames[0], 20000 + int(job_id) % 20000, job_id, restarts)
         env = {**os.environ, "OMP_NUM_THREADS": str(max(1, self.cpus_per_task // self.gpus_per_node))}
         print(f"node {job.node} ({job.hostname}), restart {restarts}: {shlex.join(command)}", flush=True)
         self.process = subprocess.Popen(command, cwd=REPO, env=env, preexec_fn=_prepare_child)

@@ -3,13 +3,18 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 STEP_SCRIPTS = {"single": REPO / "02_singlegpu/train.py", "ddp": REPO / "03_ddp/train.py",
-                "fsdp": REPO / "04_fsdp/train.py"}
+                "fsdp": REPO / "04_fsdp/train.py", "lora": REPO / "05_lora/train.py"}
+# The games the runs tokenize are prepared once per test session, in a folder of its own (never the
+# user's cache), and shared by every run that asks for the same data, tokenizer and row length.
+os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="kit-tests-datasets-")
+
 # Small and quick: short rows, little evaluation.
 QUICK = ["--max_seq_length", "64", "--eval_every", "0", "--eval_rows", "8", "--eval_games", "8"]
 
@@ -57,8 +62,7 @@ def single_reference(demo, tmp_path_factory):
     """02 on one process, global batch of 8 rows as 2 rows × 4 micro-batches: the run every
     distributed configuration must reproduce."""
     out = tmp_path_factory.mktemp("single_reference")
-    run_step("single", demo_args(demo, out) + EQUIVALENCE + ["--batch_size_per_device", 2,
-                                                             "--gradient_accumulation_steps", 4])
+    run_step("single", demo_args(demo, out) + EQUIVALENCE + ["--total_batch_size", 8, "--batch_size_per_device", 2])
     return out
 
 
@@ -77,6 +81,3 @@ def assert_same_run(reference_dir, other_dir, tolerance, weights=True):
         worst = max((ref_weights[k] - got_weights[k]).abs().max().item() for k in ref_weights)
         assert worst <= tolerance, worst
 
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "slurm: jobs on the local Slurm cluster (tests/slurm/local_cluster.sh)")

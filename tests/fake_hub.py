@@ -51,7 +51,8 @@ class Repo:
         folder = Path(folder)
         self.files = {p.relative_to(folder).as_posix(): p.read_bytes()
                       for p in sorted(folder.rglob("*")) if p.is_file()}
-        listing = json.dumps([repo_type, repo_id, sorted((name, git_blob_id(data)) for name, data in self.files.items())])
+        listing = json.dumps([repo_type, repo_id,
+                              sorted((name, git_blob_id(data)) for name, data in self.files.items())])
         self.sha = hashlib.sha1(listing.encode()).hexdigest()
 
     def is_lfs(self, name):

@@ -17,11 +17,9 @@ import torch
 
 from conftest import REPO, assert_same_run, demo_args, read_metrics, run_step
 
-sys.path.insert(0, str(REPO))  # common.data, for the row-splitting test
 
-SPLITS = {"single": (1, ["--batch_size_per_device", 2, "--gradient_accumulation_steps", 4]),
-          "ddp": (2, ["--batch_size_per_device", 2, "--gradient_accumulation_steps", 2]),
-          "fsdp": (2, ["--batch_size_per_device", 2, "--gradient_accumulation_steps", 2])}
+SPLIT = ["--total_batch_size", 8, "--batch_size_per_device", 2]  # 1 × 2 × 4 or 2 ranks × 2 × 2
+SPLITS = {"single": (1, SPLIT), "ddp": (2, SPLIT), "fsdp": (2, SPLIT)}
 
 
 def one_error_line(result):
@@ -43,8 +41,9 @@ def launcher_error_line(result):
 
 
 def snapshot(folder):
+    """Every file of a run (the lock file, which only says who holds it, is not the run's)."""
     return {path.relative_to(folder).as_posix(): path.read_bytes() for path in sorted(Path(folder).rglob("*"))
-            if path.is_file()}
+            if path.is_file() and path.name != ".lock"}
 
 
 @pytest.fixture(scope="module")
@@ -118,28 +117,6 @@ def test_missing_data_names_the_download_command(demo, tmp_path, existing_run):
     assert "train.jsonl" in line and "01_download/download.py" in line
 
 
-def test_long_games_are_split_over_rows_not_cut(demo):
-    """A game longer than a row is not an error (real games often are): packed, it continues in
-    the next row; unpacked, in rows of its own. Either way every token is trained on."""
-    from transformers import AutoTokenizer
-
-    from common.data import build_rows, read_games, tokenize_games
-    tokenizer = AutoTokenizer.from_pretrained(demo / "model")
-    games = read_games(demo / "data/validation.jsonl")[:20]
-    tokens = tokenize_games(games, tokenizer)
-    row = 16
-    assert max(len(game) for game in tokens) > 3 * row  # really longer than a row
-    unpacked = build_rows(games, tokenizer, row, pack=False)
-    assert all(len(r) <= row for r in unpacked)
-    # every game's tokens, in order, minus at most a lone last token per game
-    expected = [game[start: start + row] for game in tokens for start in range(0, len(game), row)
-                if len(game) - start > 1]
-    assert [r.tolist() for r in unpacked] == expected
-    packed = build_rows(games, tokenizer, row, pack=True)
-    stream = [t for game in tokens for t in game]
-    assert torch.cat(packed).tolist() == stream[: len(packed) * row] and len(stream) - len(packed) * row < row
-
-
 # ---- model files -----------------------------------------------------------------------------
 
 def model_copy(demo, tmp_path):
@@ -204,8 +181,9 @@ def test_output_dir_without_write_permission(demo, tmp_path):
 
 @pytest.mark.parametrize("flags, words", [
     (["--batch_size_per_device", 0], "--batch_size_per_device"),
-    (["--gradient_accumulation_steps", 0], "--gradient_accumulation_steps"),
-    (["--batch_size_per_device", 100_000], "one global batch needs"),
+    (["--total_batch_size", 0], "--total_batch_size"),
+    (["--total_batch_size", 6, "--batch_size_per_device", 4], "--total_batch_size 6 is not a multiple of"),
+    (["--total_batch_size", 100_000, "--batch_size_per_device", 100_000], "one global batch needs"),
     (["--warmup_steps", 10], "--warmup_steps"),
     (["--max_seq_length", 4], "--max_seq_length"),
     (["--learning_rate", 0], "--learning_rate"),
@@ -218,7 +196,8 @@ def test_more_ranks_than_data(demo, tmp_path):
     """4 ranks, 2 short games: not even one row per rank."""
     data = data_copy(demo, tmp_path)
     (data / "train.jsonl").write_text('{"text": "e2e4 e7e5 g1f3"}\n{"text": "d2d4 d7d5"}\n')
-    args = demo_args(demo, tmp_path / "run") + ["--max_steps", 1, "--no_packing", "--batch_size_per_device", 1]
+    args = demo_args(demo, tmp_path / "run") + ["--max_steps", 1, "--no_packing", "--total_batch_size", 4,
+                                                "--batch_size_per_device", 1]
     args[3] = data
     line = launcher_error_line(run_step("ddp", args, nproc=4, check=False))
     assert "the data has 2 rows but one global batch needs 4" in line and "4 ranks" in line
@@ -305,3 +284,28 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(demo, tmp_path
 def test_every_script_answers_help(script):
     result = subprocess.run([sys.executable, str(REPO / script), "--help"], capture_output=True, text=True)
     assert result.returncode == 0 and "usage:" in result.stdout
+
+
+# ---- a full disk ------------------------------------------------------------------------------
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 24 MiB file system: room for the run's metrics, not for a checkpoint of the demo model."""
+    disk = tmp_path / "small-disk"
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(disk)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+@pytest.mark.parametrize("step", ["single", "fsdp"])
+def test_a_full_disk_is_one_line_that_says_so(demo, small_disk, step):
+    nproc, split = SPLITS[step]
+    output_dir = small_disk / "run"
+    result = run_step(step, demo_args(demo, output_dir) + ["--max_steps", 2, "--save_every", 1, *split],
+                      nproc=nproc, check=False)
+    line = one_error_line(result) if step == "single" else launcher_error_line(result)
+    assert "no room for a checkpoint" in line and "MiB free" in line and "one needs about" in line, line
+    assert not any((output_dir / "checkpoints").glob("*/COMPLETE"))

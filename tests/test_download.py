@@ -124,7 +124,12 @@ def succeeded(result):
 
 
 def read_games(path):
-    return [json.loads(line)["text"] for line in Path(path).read_text().splitlines()]
+    """The games of a jsonl file, or of a folder of parquet files (in name order), as move strings."""
+    path = Path(path)
+    if path.is_dir():
+        return [" ".join(moves) for file in sorted(path.glob("*.parquet"))
+                for moves in pq.read_table(file, columns=["Moves"]).column("Moves").to_pylist()]
+    return [json.loads(line)["text"] for line in path.read_text().splitlines()]
 
 
 def printed_exports(stdout):
@@ -163,10 +168,16 @@ def test_model_lands_in_the_hf_cache_without_the_files_it_does_not_need(hub, fir
     assert not [r for r in first_run["requests"] if any(decoy in r.path for decoy in DECOYS)]
 
 
-def test_games_are_written_in_order_with_the_last_ones_held_out(hub, first_run):
+def test_games_are_used_from_the_cache_in_order_with_the_last_ones_held_out(hub, first_run):
+    """The training games are the cached parquet files themselves (linked, not rewritten); only the
+    last file, cut to the number of games asked for, is written anew."""
     data = first_run["out"] / "data"
-    assert read_games(data / "train.jsonl") == hub.games[:15]
+    assert read_games(data / "train") == hub.games[:15]
     assert read_games(data / "validation.jsonl") == hub.games[15:20]
+    linked = sorted(p for p in (data / "train").iterdir() if p.is_symlink())
+    assert [p.name for p in linked] == ["train-00000.parquet"] and str(first_run["home"]) in str(linked[0].resolve())
+    assert sorted(p.name for p in (data / "train").iterdir()) == ["train-00000.parquet",
+                                                                  "train-00001.first-3.parquet"]
     assert all(UCI.match(move) for game in hub.games[:20] for move in game.split())
     manifest = json.loads((data / "download.json").read_text())
     assert manifest["train_games"] == 15 and manifest["validation_games"] == 5
@@ -241,12 +252,15 @@ def one_error_line(result):
     return errors[0]
 
 
-def earlier_results(out):
-    data = out / "data"
-    data.mkdir(parents=True)
-    for name in ("train.jsonl", "validation.jsonl"):
-        (data / name).write_text(json.dumps({"text": f"e2e4 ({name} of an earlier run)"}) + "\n")
-    return {p: p.read_bytes() for p in data.iterdir()}
+def earlier_results(hub, home, out):
+    """An earlier, complete download in `out`: every file and link of its data folder."""
+    succeeded(run_download(hub, home, out, "--games", 12, "--validation_games", 2))
+    return data_files(out)
+
+
+def data_files(out):
+    return {p: (os.readlink(p) if p.is_symlink() else p.read_bytes()) for p in sorted((out / "data").rglob("*"))
+            if p.is_file() or p.is_symlink()}
 
 
 @pytest.mark.parametrize("args, words", [
@@ -255,14 +269,49 @@ def earlier_results(out):
 ], ids=["no-moves-column", "fewer-games-than-held-out"])
 def test_bad_dataset_gives_one_error_line_and_keeps_earlier_data(hub, tmp_path, args, words):
     out = tmp_path / "out"
-    before = earlier_results(out)
+    before = earlier_results(hub, tmp_path / "home", out)
     line = one_error_line(run_download(hub, tmp_path / "home", out, *args))
     assert words in line
-    assert {p: p.read_bytes() for p in (out / "data").iterdir()} == before
+    assert data_files(out) == before
+
+
+def test_games_this_step_did_not_download_are_never_replaced(hub, tmp_path):
+    out = tmp_path / "out"
+    (out / "data").mkdir(parents=True)
+    (out / "data/train.jsonl").write_text(json.dumps({"text": "e2e4 e7e5"}) + "\n")
+    line = one_error_line(run_download(hub, tmp_path / "home", out, "--games", 12, "--validation_games", 2))
+    assert "holds games this step did not download" in line
+    assert read_games(out / "data/train.jsonl") == ["e2e4 e7e5"] and hub.requests == []
+
+
+def test_the_demo_never_replaces_a_real_download(hub, tmp_path):
+    """Written over a real download, the demo would replace its games and leave its download.json
+    vouching for them: refused, before anything is built."""
+    out = tmp_path / "out"
+    before = earlier_results(hub, tmp_path / "home", out)
+    result = subprocess.run([sys.executable, str(SCRIPT), "--demo", "--out", str(out)], capture_output=True,
+                            text=True, timeout=300)
+    assert "holds a real download" in one_error_line(result)
+    assert data_files(out) == before and not (out / "model").exists()
+
+
+def test_the_base_install_is_enough_for_the_real_download(hub, tmp_path):
+    """requirements.txt alone, without the trackers' extras (which bring httpx, among others)."""
+    extras = ["httpx", "tensorboard", "mlflow", "wandb", "sqlalchemy", "alembic"]
+    code = (f"import runpy, sys\nfor name in {extras!r}:\n    sys.modules[name] = None  # import fails\n"
+            f"sys.argv = [{str(SCRIPT)!r}] + sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')\n")
+    hub.clear()
+    result = subprocess.run([sys.executable, "-c", code, "--out", str(tmp_path / "out"), "--model", MODEL_ID,
+                             "--dataset", DATASET_ID, "--games", "12", "--validation_games", "2"],
+                            capture_output=True, text=True, timeout=120,
+                            env=clean_env(HF_HOME=str(tmp_path / "home"), HF_ENDPOINT=hub.endpoint))
+    succeeded(result)
+    assert read_games(tmp_path / "out/data/train") == hub.games[:10]
 
 
 def test_counts_that_leave_no_training_games_are_refused_before_downloading(hub, tmp_path):
-    line = one_error_line(run_download(hub, tmp_path / "home", tmp_path / "out", "--games", 10, "--validation_games", 10))
+    line = one_error_line(run_download(hub, tmp_path / "home", tmp_path / "out", "--games", 10,
+                                       "--validation_games", 10))
     assert "--validation_games" in line and "--games" in line
     assert hub.requests == [] and not (tmp_path / "home" / "hub").exists()
 
@@ -292,20 +341,21 @@ def test_unreachable_hub_gives_one_error_line(tmp_path):
 
 
 def test_interrupted_rewrite_never_leaves_a_manifest_that_vouches_for_other_data(hub, tmp_path):
-    """download.json says which request the jsonl files answer. A run for another request that
-    fails after replacing train.jsonl (here: validation.jsonl cannot be written) must not leave
-    the old manifest behind, or the next run of the old request would take the new games as its own."""
+    """download.json says which request the games in data/ answer. A run for another request that
+    fails while rewriting them (here: validation.jsonl cannot be written) must not leave the old
+    manifest behind, or the next run of the old request could take other games as its own."""
     home, out = tmp_path / "home", tmp_path / "out"
     succeeded(run_download(hub, home, out, "--games", 20, "--validation_games", 5))
     blocker = out / "data" / "validation.partial"  # where validation.jsonl is written first
     blocker.mkdir()
     line = one_error_line(run_download(hub, home, out, "--games", 12, "--validation_games", 2))
     assert "cannot write" in line and "validation.jsonl" in line
-    assert read_games(out / "data/train.jsonl") == hub.games[:10]  # the other request's games are there now
+    assert json.loads((out / "data/download.json").read_text())["request"] is None  # vouches for nothing
+    assert not list((out / "data").glob("train.partial-*"))  # nothing half-built left behind
     blocker.rmdir()
     again = succeeded(run_download(hub, home, out, "--games", 20, "--validation_games", 5))
     assert "games already in" not in again.stdout
-    assert read_games(out / "data/train.jsonl") == hub.games[:15]
+    assert read_games(out / "data/train") == hub.games[:15]
     assert read_games(out / "data/validation.jsonl") == hub.games[15:20]
     assert "games already in" in succeeded(run_download(hub, home, out, "--games", 20, "--validation_games", 5)).stdout
 

@@ -27,9 +27,8 @@ def runs(demo, tmp_path_factory):
     results = {}
     for name, (step, ranks, batch, accumulation) in SPLITS.items():
         out = tmp_path_factory.mktemp(name)
-        run_step(step, demo_args(demo, out) + EQUIVALENCE + ["--batch_size_per_device", batch,
-                                                             "--gradient_accumulation_steps", accumulation],
-                 nproc=ranks)
+        run_step(step, demo_args(demo, out) + EQUIVALENCE + ["--total_batch_size", ranks * batch * accumulation,
+                                                             "--batch_size_per_device", batch], nproc=ranks)
         results[name] = out
     return results
 
@@ -51,5 +50,5 @@ def test_training_moves_the_weights_and_lowers_the_loss(runs, demo):
 
 def test_gradient_checkpointing_changes_memory_not_maths(single_reference, demo, tmp_path):
     run_step("single", demo_args(demo, tmp_path) + EQUIVALENCE + [
-        "--batch_size_per_device", 2, "--gradient_accumulation_steps", 4, "--gradient_checkpointing"])
+        "--total_batch_size", 8, "--batch_size_per_device", 2, "--gradient_checkpointing"])
     assert_same_run(single_reference, tmp_path, tolerance=1e-5)

@@ -22,7 +22,7 @@ from conftest import REPO, STEP_SCRIPTS, assert_same_run, demo_args, run_step
 
 STEPS = 6
 SAVE_EVERY = 2
-SPLIT = ["--batch_size_per_device", 2, "--gradient_accumulation_steps", 2]  # 2 ranks × 2 × 2 = 8 rows
+SPLIT = ["--total_batch_size", 8, "--batch_size_per_device", 2]  # 2 ranks × 2 rows × 2 micro-batches
 RUN = ["--max_steps", STEPS, "--save_every", SAVE_EVERY, "--keep_checkpoints", 2, *SPLIT]
 ENDS_WITHIN_S = 60       # after the kill, torchrun must have exited (no hang)
 RANKS_GONE_WITHIN_S = 10  # after the launcher's death, its ranks must be gone

@@ -6,8 +6,8 @@ import pytest
 from conftest import EQUIVALENCE, assert_same_run, demo_args, read_metrics, run_step
 
 # 8 rows per optimiser step, as in the single-device reference
-SPLIT = {2: ["--batch_size_per_device", 2, "--gradient_accumulation_steps", 2],
-         4: ["--batch_size_per_device", 2, "--gradient_accumulation_steps", 1]}
+SPLIT = {2: ["--total_batch_size", 8, "--batch_size_per_device", 2],  # 2 micro-batches per rank
+         4: ["--total_batch_size", 8, "--batch_size_per_device", 2]}  # 1
 
 
 def fsdp_run(demo, out, ranks, *flags):

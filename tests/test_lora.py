@@ -1,4 +1,4 @@
-"""04_fsdp --lora: adapters (peft) sharded with FSDP. The loss falls; only the adapters are trained,
+"""05_lora: adapters (peft) sharded with FSDP. The loss falls; only the adapters are trained,
 checkpointed and saved; the saved adapter loads with peft alone and gives the trained model's
 validation loss; a LoRA run resumes exactly; --qlora refuses on the CPU."""
 import shutil
@@ -9,25 +9,24 @@ import torch
 
 from conftest import REPO, demo_args, read_metrics, run_step
 
-sys.path.insert(0, str(REPO))
-from common.chess_eval import validation_loss_sums  # noqa: E402
-from common.data import load_rows  # noqa: E402
+from common.chess_eval import validation_loss_sums
+from common.prepare_data import prepared_rows
 
 STEPS = 10
-LORA = ["--lora", "--lora_rank", 8, "--max_steps", STEPS, "--learning_rate", 5e-3, "--save_every", 5,
-        "--keep_checkpoints", 2, "--batch_size_per_device", 2, "--gradient_accumulation_steps", 2]
+LORA = ["--lora_rank", 8, "--max_steps", STEPS, "--learning_rate", 5e-3, "--save_every", 5,
+        "--keep_checkpoints", 2, "--total_batch_size", 8, "--batch_size_per_device", 2]
 
 
 @pytest.fixture(scope="module")
 def lora_run(demo, tmp_path_factory):
     out = tmp_path_factory.mktemp("lora")
-    run_step("fsdp", demo_args(demo, out) + LORA, nproc=2)
+    run_step("lora", demo_args(demo, out) + LORA, nproc=2)
     return out
 
 
 def validation_loss(model, demo, tokenizer, cache_dir):
     """What train.py reports as eval_loss (the QUICK settings: 8 rows of 64 tokens)."""
-    rows, _ = load_rows(demo / "data/validation.jsonl", tokenizer, 64, True, cache_dir)
+    rows = prepared_rows(demo / "data", "validation", tokenizer, 64, True, cache_dir)
     total, tokens = validation_loss_sums(model.eval(), rows[:8], 4, tokenizer.pad_token_id, torch.device("cpu"))
     return (total / tokens).item()
 
@@ -69,7 +68,7 @@ def test_lora_run_resumes_exactly(lora_run, demo, tmp_path):
     shutil.copytree(lora_run, resumed)
     shutil.rmtree(resumed / f"checkpoints/step-{STEPS:06d}")
     shutil.rmtree(resumed / "final")
-    run_step("fsdp", demo_args(demo, resumed) + LORA + ["--resume"], nproc=2)
+    run_step("lora", demo_args(demo, resumed) + LORA + ["--resume"], nproc=2)
     reference, again = read_metrics(lora_run), read_metrics(resumed)
     assert [r["step"] for r in again] == list(range(1, STEPS + 1))
     for ref, got in zip(reference[5:], again[5:]):
@@ -89,7 +88,7 @@ def test_export_refuses_a_lora_checkpoint(lora_run, tmp_path):
 
 
 def test_qlora_refuses_on_the_cpu(demo, tmp_path):
-    result = run_step("fsdp", demo_args(demo, tmp_path) + ["--qlora", "--device", "cpu", "--max_steps", 1],
+    result = run_step("lora", demo_args(demo, tmp_path) + ["--qlora", "--device", "cpu", "--max_steps", 1],
                       nproc=1, check=False)
     assert result.returncode != 0
     assert "error: --qlora needs a CUDA GPU" in result.stderr

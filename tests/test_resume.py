@@ -49,9 +49,8 @@ def kill_after_first_checkpoint(step, args, nproc, output_dir, timeout=300):
     assert len(read_metrics(output_dir)) < STEPS, "killed too late to test anything"
 
 
-SPLITS = {"single": (1, ["--batch_size_per_device", 2, "--gradient_accumulation_steps", 4]),
-          "ddp": (2, ["--batch_size_per_device", 2, "--gradient_accumulation_steps", 2]),
-          "fsdp": (2, ["--batch_size_per_device", 2, "--gradient_accumulation_steps", 2])}
+SPLIT = ["--total_batch_size", 8, "--batch_size_per_device", 2]  # 1 × 2 × 4 or 2 ranks × 2 × 2
+SPLITS = {"single": (1, SPLIT), "ddp": (2, SPLIT), "fsdp": (2, SPLIT)}
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +110,40 @@ def test_fsdp_resumes_on_more_ranks(demo, tmp_path, uninterrupted):
     reference, interrupted = uninterrupted("fsdp"), tmp_path / "interrupted"
     two_ranks = SPLITS["fsdp"][1]
     kill_after_first_checkpoint("fsdp", demo_args(demo, interrupted) + RUN + two_ranks, 2, interrupted)
-    four_ranks = ["--batch_size_per_device", 2, "--gradient_accumulation_steps", 1, "--resume"]
+    four_ranks = ["--total_batch_size", 8, "--batch_size_per_device", 2, "--resume"]
     run_step("fsdp", demo_args(demo, interrupted) + RUN + four_ranks, nproc=4)
     assert_same_run(reference, interrupted, tolerance=1e-5)
     assert read_metrics(interrupted)[-1]["world_size"] == 4
+
+
+@pytest.mark.parametrize("step", ["ddp", "fsdp"])
+def test_sigterm_to_torchrun_saves_and_resumes_exactly(demo, tmp_path, uninterrupted, step):
+    """SIGTERM to the launcher, as Slurm sends it at a preemption or at the time limit: torchrun
+    passes it to its ranks, which agree, save a complete checkpoint at the end of the step they are
+    in and exit; the launcher says nothing more (python -m common.torchrun). The time from the
+    signal to the complete checkpoint is well inside torchrun's 30 s before it kills the ranks."""
+    nproc, split = SPLITS[step]
+    stopped = tmp_path / "stopped"
+    args = demo_args(demo, stopped) + ["--max_steps", STEPS, "--keep_checkpoints", 2] + split
+    launcher = [sys.executable, "-m", "common.torchrun", "--standalone", f"--nproc-per-node={nproc}",
+                str(STEP_SCRIPTS[step]), *map(str, args)]
+    process = subprocess.Popen(launcher, cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 300
+    while not (stopped / "metrics.jsonl").exists() or not read_metrics(stopped):
+        assert process.poll() is None and time.time() < deadline, "no training step in time"
+        time.sleep(0.05)
+    signalled = time.time()
+    process.send_signal(signal.SIGTERM)
+    while not any((stopped / "checkpoints").glob("step-*/COMPLETE")):
+        assert time.time() < signalled + 30, "no complete checkpoint within 30 s of SIGTERM"
+        time.sleep(0.05)
+    print(f"{step}: SIGTERM to a complete checkpoint in {time.time() - signalled:.2f} s")
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    stopped_at = len(read_metrics(stopped))
+    assert stopped_at < STEPS, "the signal came too late to test anything"
+    assert f"preempted: saved a checkpoint at step {stopped_at}" in output and "stopped by SIGTERM" in output
+    run_step(step, args + ["--resume"], nproc=nproc)
+    assert_same_run(uninterrupted(step), stopped, tolerance=1e-6)

@@ -171,6 +171,7 @@ def test_hf_token_is_never_written_or_printed(demo, tmp_path):
         outputs.append(result.stdout + result.stderr)
     assert not [text for text in outputs if token in text], "the token was printed"
     written = [path for path in tmp_path.rglob("*") if path.is_file()]
-    assert any(path.name == "metrics.jsonl" for path in written) and any(path.name == "summary.json" for path in written)
+    assert any(path.name == "metrics.jsonl" for path in written)
+    assert any(path.name == "summary.json" for path in written)
     leaked = [str(path) for path in written if token.encode() in path.read_bytes()]
     assert leaked == [], f"the token is in {leaked}"

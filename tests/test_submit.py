@@ -1,5 +1,5 @@
-"""submit.py and the sbatch templates without Slurm: the gradient-accumulation arithmetic and
-its refusals (in Python and in the templates' bash library), the --dry-run plan, and shellcheck."""
+"""submit.py and the sbatch templates without Slurm: the batch arithmetic (the one function the
+training scripts and submit.py share) and its refusals, the --dry-run plan, and shellcheck."""
 import os
 import shlex
 import shutil
@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 
+import submit
+from common.batch import gradient_accumulation_steps
+from common.errors import UserError
 from slurm_cluster import install_when_missing
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import submit  # noqa: E402
-
 REPO = submit.REPO
+pytestmark = pytest.mark.quick
 
 
 @pytest.fixture
@@ -28,54 +29,22 @@ def run_submit(args, env):
                           timeout=120)
 
 
-def run_lib(function_call):
-    """Call a function of slurm/launch_lib.sh in bash, as the templates do."""
-    return subprocess.run(["bash", "-c", f"source slurm/launch_lib.sh && {function_call}"], cwd=REPO,
-                          capture_output=True, text=True, timeout=30)
-
-
-# (total batch, per device, GPUs per node, nodes) -> accumulation
-DIVIDES = [((64, 4, 1, 1), 16), ((64, 4, 4, 2), 2), ((64, 4, 8, 2), 1), ((8, 2, 2, 2), 1), ((48, 2, 3, 2), 4)]
-DOES_NOT_DIVIDE = [(64, 4, 8, 4), (10, 2, 2, 2), (64, 3, 2, 1), (4, 4, 2, 1)]
+# (total batch, per device, world size) -> accumulation
+DIVIDES = [((64, 4, 1), 16), ((64, 4, 8), 2), ((64, 4, 16), 1), ((8, 2, 4), 1), ((48, 2, 6), 4)]
+DOES_NOT_DIVIDE = [(64, 4, 32), (10, 2, 4), (64, 3, 2), (4, 4, 2)]
 
 
 @pytest.mark.parametrize("request_, accumulation", DIVIDES)
-def test_accumulation_python_and_bash_agree(request_, accumulation):
-    assert submit.gradient_accumulation_steps(*request_) == accumulation
-    result = run_lib("gradient_accumulation_steps " + " ".join(map(str, request_)))
-    assert (result.returncode, result.stdout.strip(), result.stderr) == (0, str(accumulation), "")
+def test_accumulation_keeps_the_total_batch(request_, accumulation):
+    assert gradient_accumulation_steps(*request_) == accumulation
 
 
 @pytest.mark.parametrize("request_", DOES_NOT_DIVIDE)
 def test_accumulation_that_does_not_divide_is_refused(request_):
-    total, per_device, gpus, nodes = request_
-    with pytest.raises(submit.UserError, match=f"--total_batch_size {total} is not a multiple of"):
-        submit.gradient_accumulation_steps(*request_)
-    result = run_lib("gradient_accumulation_steps " + " ".join(map(str, request_)))
-    assert result.returncode == 2
-    assert result.stderr == (f"error: TOTAL_BATCH_SIZE={total} is not a multiple of BATCH_SIZE_PER_DEVICE="
-                             f"{per_device} × {gpus} GPUs per node × {nodes} nodes = {per_device * gpus * nodes}: "
-                             "change one of them\n")
-
-
-@pytest.mark.parametrize("arguments", ["0 4 2 1", "64 4 0 1", "64 -4 2 1", "64 4 2 x", "'' 4 2 1"])
-def test_bash_refuses_numbers_that_are_not_positive(arguments):
-    result = run_lib(f"gradient_accumulation_steps {arguments}")
-    assert result.returncode == 2 and result.stdout == ""
-    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
-
-
-@pytest.mark.parametrize("argument, hint", [
-    ("--batch_size_per_device=8", "set BATCH_SIZE_PER_DEVICE=... in the environment"),
-    ("--batch-size-per-device", "set BATCH_SIZE_PER_DEVICE=... in the environment"),
-    ("--model", "set MODEL=..."),
-    ("--output_dir", "set OUTPUT_DIR=..."),
-    ("--gradient_accumulation_steps", "set TOTAL_BATCH_SIZE instead"),
-    ("--device", "picks --device from the allocation"),
-])
-def test_templates_refuse_arguments_they_set_themselves(argument, hint):
-    result = run_lib(f"refuse_managed_arguments --learning_rate 2e-5 {argument} 3")
-    assert result.returncode == 2 and hint in result.stderr and result.stderr.count("\n") == 1
+    total, per_device, world_size = request_
+    with pytest.raises(UserError, match=f"--total_batch_size {total} is not a multiple of --batch_size_per_device "
+                                        f"{per_device} × {world_size} ranks = {per_device * world_size}"):
+        gradient_accumulation_steps(*request_)
 
 
 @pytest.mark.parametrize("script", ["singlegpu", "ddp", "fsdp"])
@@ -94,11 +63,10 @@ def test_dry_run_prints_the_plan_and_the_sbatch_script_without_slurm(no_slurm_en
     assert "total batch 64 = 4 per device × 8 devices × 2 gradient accumulation steps" in out
     assert ("torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=FIRST_NODE:PORT "
             "--rdzv-id=JOBID-RESTARTS 04_fsdp/train.py") in out
-    assert "--gradient_accumulation_steps 2 --learning_rate 2e-5" in out
+    assert "--total_batch_size 64 --batch_size_per_device 4 --learning_rate 2e-5" in out
     for line in ["#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=4",
                  "#SBATCH --cpus-per-task=32", "#SBATCH --partition=gpu", "#SBATCH --account=chess",
                  "#SBATCH --time=1470", "#SBATCH --signal=USR2@300", "#SBATCH --requeue",
-                 f"export PYTHONPATH={shlex.quote(str(REPO))}" + '"${PYTHONPATH:+:$PYTHONPATH}"',
                  "export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1"]:
         assert line in out.splitlines(), line
     assert "--kill-on-bad-exit=1 --cpus-per-task=32" in out
@@ -149,24 +117,6 @@ def test_another_submitit_signal_is_refused(no_slurm_env):
                              "default: unset SUBMITIT_PREEMPT_SIGNAL\n")
 
 
-def test_requeued_launch_continues_the_run():
-    """After a requeue (restart count > 0) the training continues from its checkpoint, and an
-    --overwrite meant for the first start is dropped: it would delete that checkpoint."""
-    launcher = submit.StepLauncher("fsdp", 2, 4, ["--output_dir", "runs/x-%j", "--overwrite", "--max_steps", "9"])
-    where = dict(num_nodes=2, first_node="node1", port=20007, device="cuda", job_id=7)
-    first = launcher.command(rdzv_id="7-0", restarts=0, **where)
-    again = launcher.command(rdzv_id="7-1", restarts=1, **where)
-    assert first[first.index("04_fsdp/train.py") + 1:] == ["--output_dir", "runs/x-7", "--overwrite", "--max_steps",
-                                                            "9", "--device", "cuda"]
-    assert again[again.index("04_fsdp/train.py") + 1:] == ["--output_dir", "runs/x-7", "--max_steps", "9",
-                                                            "--device", "cuda", "--resume"]
-    assert "--rdzv-id=7-1" in again
-    # the templates do the same
-    result = run_lib('SLURM_RESTART_COUNT=0 training_arguments --overwrite "a b"; printf "[%s]" "${TRAINING_ARGS[@]}";'
-                     'SLURM_RESTART_COUNT=2 training_arguments --overwrite "a b"; printf "[%s]" "${TRAINING_ARGS[@]}"')
-    assert (result.returncode, result.stdout) == (0, "[--overwrite][a b][a b][--resume]")
-
-
 def test_dry_run_quotes_paths_for_the_shell(no_slurm_env, tmp_path):
     data_dir = tmp_path / "chess data; rm -rf ~"
     data_dir.mkdir()
@@ -181,7 +131,7 @@ def test_dry_run_quotes_paths_for_the_shell(no_slurm_env, tmp_path):
 
 @pytest.mark.parametrize("arguments, message", [
     (["--step", "fsdp", "--gpus", "3", "--nodes", "2"],
-     "--total_batch_size 64 is not a multiple of --batch_size_per_device 4 × 3 GPUs per node × 2 nodes = 24"),
+     "--total_batch_size 64 is not a multiple of --batch_size_per_device 4 × 6 ranks = 24"),
     (["--step", "fsdp", "--gpus", "0"], "--gpus must be at least 1 (got 0)"),
     (["--step", "ddp", "--nodes", "0"], "--nodes must be at least 1 (got 0)"),
     (["--step", "fsdp", "--batch_size_per_device", "0"], "--batch_size_per_device must be at least 1"),
@@ -190,13 +140,17 @@ def test_dry_run_quotes_paths_for_the_shell(no_slurm_env, tmp_path):
     (["--step", "tensor_parallel"], "argument --step: invalid choice: 'tensor_parallel'"),
     (["--gpus", "2"], "the following arguments are required: --step"),
     (["--step", "fsdp", "--time", "two hours"], "--time 'two hours' is not a Slurm time limit"),
-    (["--step", "fsdp", "--", "--gradient_accumulation_steps", "4"], "use submit.py's --total_batch_size"),
+    (["--step", "fsdp", "--", "--total_batch_size", "4"], "use submit.py's --total_batch_size"),
     (["--step", "fsdp", "--", "--batch-size-per-device=4"], "use submit.py's --batch_size_per_device"),
-    (["--step", "fsdp", "--", "--device", "cpu"], "the device follows the allocation"),
+    (["--step", "fsdp", "--", "--gradient_accumulation_steps", "4"], "unrecognized arguments"),
+    (["--step", "fsdp", "--", "--learning_rat", "1e-4"], "unrecognized arguments: --learning_rat"),
+    (["--step", "fsdp", "--", "--max_grad_norm", "0"], "--max_grad_norm must be a positive number"),
     (["--step", "fsdp", "--data_dir", "/nonexistent/chess/data"],
      "no train.jsonl in /nonexistent/chess/data: run `python 01_download/download.py --out /nonexistent/chess`"),
     (["--step", "fsdp", "--model", "/nonexistent/model"],
      "model /nonexistent/model is neither a directory nor in the Hugging Face cache"),
+    (["--step", "fsdp", "--model", "nobody/no-such-model"],
+     "model nobody/no-such-model is neither a directory nor in the Hugging Face cache"),
 ])
 def test_impossible_requests_are_refused_with_one_line(no_slurm_env, arguments, message):
     for dry_run in ([], ["--dry-run"]):
@@ -224,7 +178,8 @@ def test_shell_scripts_are_shellcheck_clean():
         install_when_missing("shellcheck", "shellcheck")
     if shutil.which("shellcheck") is None:
         pytest.skip("shellcheck is not installed (apt-get install shellcheck)")
-    scripts = sorted(str(p.relative_to(REPO)) for p in [*REPO.glob("slurm/*.sh"), *REPO.glob("tests/slurm/*.sh")])
-    assert "slurm/launch_lib.sh" in scripts and "slurm/fsdp.sh" in scripts
+    scripts = sorted(str(p.relative_to(REPO)) for p in [*REPO.glob("*.sh"), *REPO.glob("slurm/*.sh"),
+                                                          *REPO.glob("tests/slurm/*.sh"), REPO / ".ci/run"])
+    assert "slurm/preemption.sh" in scripts and "slurm/fsdp.sh" in scripts
     result = subprocess.run(["shellcheck", "-x", *scripts], cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr

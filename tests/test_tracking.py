@@ -15,9 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.errors import UserError  # noqa: E402
-from common.tracking import Tracker, parse_report_to, safe_params, wandb_mode  # noqa: E402
+from common.errors import UserError
+from common.tracking import Tracker, parse_report_to, safe_params, wandb_mode
 
 HF_SECRET = "hf_abcdefghijklmnopqrstuvwxyz0123"
 HUB_SECRET = "hf_ZYXWVUTSRQPONMLKJIHGFEDCBA9876"

@@ -1,7 +1,9 @@
-"""Side-by-side table of finished runs: `python -m common.compare_runs RUN_DIR [RUN_DIR ...]`."""
+"""Side-by-side table of finished runs: `python benchmark/compare_runs.py RUN_DIR [RUN_DIR ...]`."""
 import json
 import sys
 from pathlib import Path
+
+from common.errors import UserError, exit_on_user_error
 
 COLUMNS = [("run", "run"), ("world_size", "ranks"), ("final_loss", "final loss"), ("eval_loss", "eval loss"),
            ("tokens_per_s", "tokens/s"), ("peak_rss_mib_per_rank", "peak MiB/rank"),
@@ -16,15 +18,15 @@ def markdown_table(summaries):
     return "\n".join(lines)
 
 
-def main(run_dirs):
+def main():
     summaries = []
-    for run_dir in run_dirs:
+    for run_dir in sys.argv[1:]:
         path = Path(run_dir) / "summary.json"
         if not path.is_file():
-            sys.exit(f"error: {path} is missing: did that run finish?")
+            raise UserError(f"{path} is missing: did that run finish?")
         summaries.append(json.loads(path.read_text()))
     print(markdown_table(summaries))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    exit_on_user_error(main)

@@ -1,0 +1,377 @@
+"""Step 5: fine-tune LoRA adapters instead of all weights, sharded with FSDP as in step 4.
+
+    torchrun --nproc-per-node 2 05_lora/train.py --output_dir runs/lora
+    torchrun --nproc-per-node 4 05_lora/train.py --qlora ...      # a 4-bit base model (GPU, bitsandbytes)
+
+LoRA freezes every weight of the model and trains a low-rank update B·A beside each target
+linear layer: for CodeLlama-7b at rank 16 about 40M trainable parameters instead of 6.7B, so
+gradients and AdamW state shrink 170-fold; the frozen weights are still sharded by FSDP.
+QLoRA also stores the frozen weights in 4 bits. Checkpoints and the final model hold the
+adapters only (peft's format), to be loaded over --model.
+"""
+import gc
+import os
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from tqdm import tqdm
+
+from common.arguments import check_arguments, training_arguments
+from common.batch import describe, gradient_accumulation_steps
+from common.checkpoint import (TRAIN_STATE, checkpoint_dir, disk_full_is_one_line, load_file, load_newest,
+                               load_sharded, mark_complete, prepare, readable_by_others, restore_rng,
+                               stop_if_not_finite, tensor_bytes, train_state)
+from common.chess_eval import StopEvaluation, game_prefixes, legal_move_sums, share_of_rank, validation_loss_sums
+from common.data import GlobalBatchSampler, count_loss_tokens, loss_sum, make_loader
+from common.device import pick_device
+from common.errors import UserError, exit_on_user_error
+from common.metrics import (MetricsLog, StepTimer, flops_per_token, model_flops_utilization, peak_memory,
+                            print_summary, run_params, write_summary)
+from common.model import enable_gradient_checkpointing, load_config, load_model, load_tokenizer
+from common.optim import make_optimizer, make_scheduler
+from common.output_dir import OutputDir, run_settings
+from common.prepare_data import prepared_rows, read_games
+from common.sharded_loading import load_sharded_model
+from common.signals import StopFlag, die_with_launcher
+
+# The sharding strategies users know from FSDP1 (and DeepSpeed), expressed in FSDP2:
+#   FULL_SHARD    (ZeRO-3) shard over all ranks; free each layer's gathered weights after its
+#                 forward and gather them again in backward. Least memory.
+#   SHARD_GRAD_OP (ZeRO-2) shard over all ranks, but keep the gathered weights from forward to
+#                 backward (reshard_after_forward=False): one all-gather less, more memory.
+#   HYBRID_SHARD  a 2-D mesh: shard within a group of ranks (by default the GPUs of one node, over
+#                 fast NVLink) and replicate across groups (all-reduce over the slower network).
+#   NO_SHARD      (DDP) the same 2-D mesh with groups of one rank: every rank keeps everything.
+STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
+PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def build_mesh(strategy, device_type, world_size, shard_group_size):
+    """The ranks FSDP shards over: a 1-D mesh, or (replicas × shards) for hybrid/no sharding."""
+    if strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        return init_device_mesh(device_type, (world_size,))
+    shards = 1 if strategy == "NO_SHARD" else shard_group_size
+    if world_size % shards:
+        raise UserError(f"HYBRID_SHARD: {world_size} ranks do not split into groups of {shards} "
+                        "(--shard_group_size)")
+    return init_device_mesh(device_type, (world_size // shards, shards), mesh_dim_names=("replicate", "shard"))
+
+
+def decoder_layers(model):
+    """The repeated blocks FSDP shards one by one: `model.model.layers` in Llama and the other
+    Hugging Face decoders laid out like it (Mistral, Qwen2, Gemma, Phi-3, ...). Under peft's
+    wrapper they are those of the base model: a unit holds frozen weights and adapters alike."""
+    model = model.get_base_model()
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise UserError(f"{type(model).__name__} keeps no decoder layers at model.model.layers: step 4 shards "
+                        "Llama-style models (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, ...)")
+    return layers
+
+
+def shard_model(model, mesh, strategy, mp_policy, offload_policy):
+    """FSDP by hand, bottom-up: every decoder layer becomes one unit whose weights are
+    all-gathered just before it runs and freed right after; then the root takes what is left
+    (embeddings, final norm, lm_head). One unit for the whole model would gather it all at once."""
+    options = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy,
+                   reshard_after_forward=strategy != "SHARD_GRAD_OP")
+    for layer in decoder_layers(model):
+        fully_shard(layer, **options)
+    fully_shard(model, **options)
+
+
+def add_lora(model, args):
+    """Freeze every weight and add a trainable low-rank update B·A (rank r, scaled by alpha/r)
+    beside each target linear layer. B starts at zero, so training starts from the model."""
+    from peft import LoraConfig, get_peft_model
+    config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0, task_type="CAUSAL_LM",
+                        target_modules=args.lora_target_modules)
+    try:
+        return get_peft_model(model, config)
+    except ValueError as err:  # no module of that name
+        linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                         if isinstance(module, torch.nn.Linear)})
+        raise UserError(f"--lora_target_modules {','.join(args.lora_target_modules)}: {err}; this model's linear "
+                        f"layers are {', '.join(linear)}") from None
+
+
+def load_qlora_model(args, device, shard):
+    """QLoRA: the frozen base weights stored in 4 bits (NF4, bitsandbytes), computed in bf16, with
+    LoRA adapters on top. Every rank loads the quantized model straight onto its own GPU (4-bit
+    weights are a quarter of the bf16 size), so there is nothing to broadcast. The 4-bit weights are
+    stored as bf16 elements (bnb_4bit_quant_storage) so that FSDP can shard them like the rest."""
+    from peft import prepare_model_for_kbit_training
+    from transformers import BitsAndBytesConfig
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                      bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)
+    model = load_model(args.model, args.trust_remote_code, quantization_config=quantization,
+                       device_map={"": device})
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.gradient_checkpointing,
+                                            gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = add_lora(model, args)
+    shard(model)
+    return model
+
+
+def parse_arguments(argv=None):
+    parser = training_arguments(__doc__.split("\n\n")[0])
+    parser.add("sharding_strategy", choices=STRATEGIES, default="FULL_SHARD", help="see the table above")
+    parser.add("shard_group_size", type=int, default=None,
+               help="HYBRID_SHARD: ranks per shard group (default: the GPUs of one node)")
+    parser.add("precision", choices=list(PRECISIONS), default=None,
+               help="compute dtype of the layers (default: bf16 on GPU, fp32 on CPU); weights and AdamW stay fp32")
+    parser.add("cpu_offload", action="store_true",
+               help="keep sharded weights, gradients and optimizer state in CPU memory; the optimizer steps there")
+    parser.add("accumulate_unsharded", action="store_true",
+               help="with gradient accumulation: keep the gathered weights and full gradients on every rank between "
+                    "micro-batches and communicate once per optimiser step (like DDP's no_sync): faster, more memory")
+    parser.add("lora_rank", type=int, default=16, help="rank r of the update B·A")
+    parser.add("lora_alpha", type=float, default=32.0, help="the update is scaled by alpha / r")
+    parser.add("lora_target_modules", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+               help="comma-separated names of the linear layers that get adapters")
+    parser.add("qlora", action="store_true", help="LoRA over a 4-bit (NF4) base model; needs a GPU and bitsandbytes")
+    args = parser.parse_args(argv)
+    if args.shard_group_size is not None and args.shard_group_size < 1:
+        raise UserError(f"--shard_group_size must be at least 1 (got {args.shard_group_size})")
+    args.lora_target_modules = [name.strip() for name in args.lora_target_modules.split(",") if name.strip()]
+    if args.lora_rank < 1 or not args.lora_alpha > 0 or not args.lora_target_modules:
+        raise UserError("LoRA needs --lora_rank >= 1, --lora_alpha > 0 and at least one --lora_target_modules")
+    if args.qlora:
+        if args.device == "cpu" or not torch.cuda.is_available():
+            raise UserError("--qlora needs a CUDA GPU (bitsandbytes' 4-bit kernels): leave it out on the CPU")
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError:
+            raise UserError("--qlora needs bitsandbytes: `pip install bitsandbytes` on the GPU nodes") from None
+    return args
+
+
+def main():
+    die_with_launcher()  # no orphaned ranks if torchrun is killed
+    args = parse_arguments()
+    check_arguments(args)
+    # torchrun starts one process per GPU and tells each who it is.
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])  # this process's GPU on its node
+    accumulation = gradient_accumulation_steps(args.total_batch_size, args.batch_size_per_device, world_size)
+    device = pick_device(args.device, local_rank)
+    dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    is_main = rank == 0  # only rank 0 logs and saves
+    output = OutputDir(args, is_main)  # one run at a time per output directory
+    output_dir = output.path
+    torch.manual_seed(args.seed)
+
+    # Model: fp32 weights, sharded. FSDP itself runs the layers in bf16 and reduces the gradients
+    # in fp32 (MixedPrecisionPolicy); the sharded weights and AdamW's state stay fp32. Never cast
+    # the model to bf16 before sharding: AdamW would then keep bf16 state.
+    config = load_config(args.model, args.trust_remote_code)
+    tokenizer = load_tokenizer(args.model, config, args.trust_remote_code)
+    precision = args.precision or ("bf16" if device.type == "cuda" else "fp32")
+    mesh = build_mesh(args.sharding_strategy, device.type, world_size,
+                      args.shard_group_size or int(os.environ["LOCAL_WORLD_SIZE"]))
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if args.cpu_offload else OffloadPolicy()
+    mp_policy = MixedPrecisionPolicy(param_dtype=PRECISIONS[precision], reduce_dtype=torch.float32)
+
+    def prepare_model(model):  # before sharding, so that FSDP's hooks stay outside the recomputation
+        if args.gradient_checkpointing:
+            enable_gradient_checkpointing(model)
+        return add_lora(model, args)
+
+    def shard(model):
+        shard_model(model, mesh, args.sharding_strategy, mp_policy, offload)
+    if args.qlora:
+        model = load_qlora_model(args, device, shard)
+    else:
+        model = load_sharded_model(args.model, config, rank, device, shard, prepare=prepare_model,
+                                   trust_remote_code=args.trust_remote_code)
+    model_flops = flops_per_token(model, args.max_seq_length)  # for MFU
+    autocast = nullcontext()  # FSDP casts the weights; no autocast on top
+
+    optimizer = make_optimizer(model, args)  # after sharding; the trainable parameters: the adapters
+    scheduler = make_scheduler(optimizer, args)
+
+    # Data: tokenized once per data set, memory-mapped here; every optimiser step gets one global batch.
+    pack = not args.no_packing
+    train_rows = prepared_rows(args.data_dir, "train", tokenizer, args.max_seq_length, pack, args.prepared_dir)
+    validation_rows = prepared_rows(args.data_dir, "validation", tokenizer, args.max_seq_length, pack,
+                                    args.prepared_dir)
+    eval_rows = [validation_rows[i] for i in range(min(args.eval_rows, len(validation_rows)))]
+    prefixes = game_prefixes(read_games(args.data_dir, "validation", args.eval_games), args.eval_games, args.seed)
+    # Each rank evaluates its share (the same count on every rank), then the sums are added up.
+    eval_rows = share_of_rank(eval_rows, rank, world_size, "rows")
+    prefixes = share_of_rank(prefixes, rank, world_size, "game prefixes")
+    sampler = GlobalBatchSampler(len(train_rows), args.batch_size_per_device, accumulation,
+                                 rank=rank, world_size=world_size, seed=args.seed, max_steps=args.max_steps)
+
+    # Every input is checked; only now does the run write (and --overwrite delete the old run).
+    note = output.start(run_settings(args, "sharded LoRA adapters", config, train_rows, precision=precision,
+                                     lora=[args.lora_rank, args.lora_alpha, args.lora_target_modules, args.qlora]))
+    if is_main:
+        tqdm.write(describe(args.total_batch_size, args.batch_size_per_device, world_size, accumulation))
+
+    # Checkpoints: no rank holds the whole model, so every rank writes its own shards
+    # (torch.distributed.checkpoint). The files don't depend on the world size: a run saved on
+    # 2 ranks resumes on 4, each rank reading the pieces of its new shards. Only the adapters are
+    # saved: the frozen weights are those of --model (so loading them back leaves the model's other
+    # entries alone: strict=False). Rank 0 adds the config, tokenizer and adapter config.
+    state_options = StateDictOptions(ignore_frozen_params=True, strict=False)
+
+    def save_checkpoint(step):
+        path = checkpoint_dir(output_dir, step)
+        model_state, optimizer_state = get_state_dict(model, optimizer, options=state_options)
+        needed = tensor_bytes([model_state, optimizer_state]) * world_size
+        if is_main:
+            prepare(path, needed)  # refused at once if the disk is too full
+        dist.barrier()
+        with disk_full_is_one_line(path, needed):
+            dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
+        if is_main:  # dcp.save has returned on every rank: all shards are on disk
+            torch.save(train_state(step, scheduler, {"untrained": untrained}), path / TRAIN_STATE)
+            model.config.save_pretrained(path)
+            tokenizer.save_pretrained(path)
+            model.peft_config["default"].save_pretrained(path)
+        dist.barrier()
+
+    def load_checkpoint(path):
+        nonlocal start_step, untrained
+        model_state, optimizer_state = get_state_dict(model, optimizer, options=state_options)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        load_sharded(state, path)  # each rank reads what its shards need
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=state_options)
+        train = load_file(path / TRAIN_STATE)
+        scheduler.load_state_dict(train["scheduler"])
+        restore_rng(train)
+        start_step, untrained = train["step"], train["untrained"]
+
+    start_step, untrained = 0, None
+    if args.resume and (resumed_from := load_newest(output_dir, load_checkpoint)) and is_main:
+        tqdm.write(f"resuming from {resumed_from}" + (f"\n{note}" if note else ""))
+    batches = iter(make_loader(train_rows, sampler.starting_at(start_step), tokenizer.pad_token_id, device))
+
+    def evaluate(stop_requested=None):
+        """Validation loss and legal-move rate."""
+        model.eval()
+        with autocast:
+            sums = torch.stack([
+                *validation_loss_sums(model, eval_rows, args.batch_size_per_device, tokenizer.pad_token_id, device,
+                                      stop_requested),
+                *legal_move_sums(model, tokenizer, prefixes, args.batch_size_per_device, args.max_seq_length, device,
+                                 stop_requested)])
+        dist.all_reduce(sums)
+        model.train()
+        loss, tokens, legal, tried = sums.tolist()
+        return {"eval_loss": loss / tokens, "legal_move_rate": legal / tried}
+
+    if untrained is None:
+        untrained = evaluate()
+        if is_main:
+            tqdm.write(f"untrained model: {untrained}")
+    # From here on SIGTERM (preemption, time limit), Slurm's USR2 warning and Ctrl-C make the run save
+    # a checkpoint at the end of the step and stop (common/signals.py).
+    stop = StopFlag(device)
+    metrics = MetricsLog(output_dir, enabled=is_main, report_to=args.report_to,
+                         params=run_params(args, world_size, device), resumed_at=start_step)
+    progress = tqdm(range(start_step, args.max_steps), desc="train", initial=start_step, total=args.max_steps,
+                    mininterval=1.0, disable=not is_main)
+    for step in progress:
+        timer = StepTimer(device)
+        waiting = time.perf_counter()
+        micro_batches = [{k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+                         for _ in range(accumulation)]
+        timer.data_ready(waiting)
+        # Every token of the global batch weighs the same: divide each micro-batch's summed
+        # loss by the token count of the whole global batch (all ranks), not by its own.
+        step_tokens = sum(count_loss_tokens(batch) for batch in micro_batches).to(device)
+        dist.all_reduce(step_tokens)
+
+        step_loss = torch.zeros((), device=device)
+        for i, batch in enumerate(micro_batches):
+            # By default FSDP reduce-scatters after every micro-batch, so gradients stay sharded.
+            # --accumulate_unsharded does what DDP's no_sync does: until the last micro-batch,
+            # keep the gathered weights and the full gradients, and communicate only once.
+            if args.accumulate_unsharded:
+                keep = i < len(micro_batches) - 1  # not yet the last micro-batch
+                model.set_requires_gradient_sync(not keep)
+                model.set_reshard_after_forward(not keep and args.sharding_strategy != "SHARD_GRAD_OP")
+                model.set_reshard_after_backward(not keep)
+            with autocast:
+                loss = loss_sum(model, batch)
+            # FSDP averages gradients over ranks; × world_size turns that average into the sum.
+            (loss * world_size / step_tokens).backward()
+            step_loss += loss.detach()
+        dist.all_reduce(step_loss)
+
+        # The parameters are DTensor shards; the norm comes back as a DTensor of the full norm.
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).full_tensor()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        elapsed, data_wait = timer.finish()
+        tokens, loss_total, grad_norm = torch.stack([step_tokens, step_loss, grad_norm]).tolist()  # one sync
+        stop_if_not_finite(loss_total, step + 1, output_dir)  # the same verdict on every rank
+        record = {"step": step + 1, "loss": loss_total / tokens, "lr": scheduler.get_last_lr()[0],
+                  "grad_norm": grad_norm, "tokens": int(tokens), "tokens_per_s": tokens / elapsed,
+                  "tokens_per_s_per_device": tokens / elapsed / world_size, "step_time_s": elapsed,
+                  "data_wait_s": data_wait, "world_size": world_size, "gradient_accumulation_steps": accumulation,
+                  "batch_size_per_device": args.batch_size_per_device, **peak_memory(device),
+                  **model_flops_utilization(tokens / elapsed / world_size, model_flops, device)}
+        stopping = stop.requested()
+        if not stopping and ((args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.max_steps):
+            try:
+                record.update(evaluate(stop.requested))
+                if is_main:
+                    tqdm.write(f"step {step + 1}: eval_loss={record['eval_loss']:.4f} "
+                               f"legal_move_rate={record['legal_move_rate']:.3f}")
+            except StopEvaluation:
+                stopping = True
+        save_now = (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.max_steps or stopping
+        if save_now:
+            saving = time.perf_counter()
+            save_checkpoint(step + 1)
+            record["checkpoint_save_s"] = time.perf_counter() - saving
+        metrics.write(record)
+        if save_now and is_main:  # only now, with its step on record, does the checkpoint count
+            mark_complete(checkpoint_dir(output_dir, step + 1), args.keep_checkpoints)
+        progress.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
+        if stopping:
+            metrics.close()
+            if is_main:
+                tqdm.write(f"preempted: saved a checkpoint at step {step + 1} in {output_dir}; continue with "
+                           f"--resume (stopped by {stop.reason()})")
+            model = None  # as at the end of main
+            gc.collect()
+            dist.destroy_process_group()
+            return
+    metrics.close()
+
+    # The final adapters in peft's format (load them over --model with PeftModel.from_pretrained).
+    # Each rank holds only shards: gather them on rank 0 (the other ranks get an empty dict).
+    full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                      ignore_frozen_params=True))
+    peaks = [None] * world_size
+    dist.all_gather_object(peaks, peak_memory(device))
+    if is_main:
+        model.save_pretrained(output_dir / "final", state_dict=full_state, safe_serialization=True)
+        tokenizer.save_pretrained(output_dir / "final")
+        readable_by_others(output_dir / "final")
+        summary = write_summary(output_dir, "05_lora", metrics.records, untrained, peaks)
+        print_summary("05_lora", summary)
+    # Free the sharded model while the process group is alive: freed the other way round, at exit,
+    # a gloo group can deadlock or abort in its destructor (pytorch/pytorch#56297). FSDP modules
+    # sit in reference cycles, so dropping the name is not enough: the garbage collector frees them.
+    model = None
+    gc.collect()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    exit_on_user_error(main)

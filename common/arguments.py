@@ -1,0 +1,128 @@
+"""The training arguments every step takes, and the checks that refuse settings that cannot work.
+
+Parsing is strict, because a launcher passes some of these itself and the user adds the rest:
+an abbreviation (`--batch_size 3`) is not accepted, and an option given twice is refused instead
+of letting the last one silently win. Checking has no side effects: nothing is created or
+deleted here (see common/output_dir.py for the output directory).
+"""
+import argparse
+import math
+import sys
+from pathlib import Path
+
+from common.errors import UserError
+from common.tracking import parse_report_to
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO_DIR = REPO / "demo"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors, no abbreviations and no repeated options."""
+
+    def __init__(self, description):
+        super().__init__(description=description, allow_abbrev=False,
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+    def add(self, name, **kwargs):
+        """--batch_size_per_device, also spelt --batch-size-per-device."""
+        spellings = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
+        self.add_argument(*spellings, dest=name, **kwargs)
+
+    def error(self, message):
+        raise UserError(f"{message} (see --help)")
+
+    def parse_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        self.refuse_repeats(args)
+        return super().parse_args(args, namespace)
+
+    def refuse_repeats(self, args):
+        seen = {}
+        for arg in args:
+            if arg == "--":
+                break
+            action = self._option_string_actions.get(arg.split("=", 1)[0])
+            if action is None or not action.option_strings[0].startswith("--"):
+                continue
+            name = arg.split("=", 1)[0]
+            if action.dest in seen:
+                raise UserError(f"{action.option_strings[0]} is given twice ({seen[action.dest]} and {name}): "
+                                "pass it once. The Slurm templates and submit.py set --total_batch_size, "
+                                "--batch_size_per_device, --model, --data_dir and --output_dir themselves; "
+                                "change them there")
+            seen[action.dest] = name
+
+
+def training_arguments(description):
+    """The arguments every step takes. Defaults run the built-in tiny demo on any laptop."""
+    parser = Parser(description)
+    parser.add("model", default=str(DEMO_DIR / "model"),
+               help="local model directory or Hugging Face id (already downloaded; see 01_download)")
+    parser.add("data_dir", default=str(DEMO_DIR / "data"),
+               help="directory with the games: train.jsonl or train/*.parquet, and validation.jsonl or validation/")
+    parser.add("prepared_dir", default=None,
+               help="where the tokenized games are kept (default: $HF_DATASETS_CACHE/chess-kit); "
+                    "see 01_download/prepare.py")
+    parser.add("output_dir", required=True, help="metrics.jsonl, checkpoints/ and final/ go here")
+    parser.add("total_batch_size", type=int, default=16,
+               help="rows per optimiser step, over all devices: the same at any GPU count")
+    parser.add("batch_size_per_device", type=int, default=4,
+               help="rows per forward pass on each device; the gradient accumulation makes up the rest")
+    parser.add("max_steps", type=int, default=100, help="optimiser steps")
+    parser.add("learning_rate", type=float, default=1e-3, help="peak learning rate")
+    parser.add("warmup_steps", type=int, default=None, help="linear warm-up steps (default: 10%% of max_steps)")
+    parser.add("weight_decay", type=float, default=0.0, help="AdamW's decoupled weight decay, 0 to 1")
+    parser.add("max_grad_norm", type=float, default=1.0, help="gradient clipping")
+    parser.add("seed", type=int, default=0)
+    parser.add("max_seq_length", type=int, default=256, help="tokens per row")
+    parser.add("no_packing", action="store_true",
+               help="one game per row with padding, instead of packing games into full rows")
+    parser.add("gradient_checkpointing", action="store_true",
+               help="recompute each decoder layer's activations in backward to save memory")
+    parser.add("eval_every", type=int, default=50, help="validation loss every N steps (0: only at the end)")
+    parser.add("eval_rows", type=int, default=64, help="validation rows for the validation loss")
+    parser.add("eval_games", type=int, default=64, help="game prefixes for the legal-move rate")
+    parser.add("device", choices=["auto", "cpu", "cuda"], default="auto",
+               help="auto: CUDA when a GPU is usable, else CPU")
+    parser.add("save_every", type=int, default=0, help="save a checkpoint every N steps (0: only at the end)")
+    parser.add("keep_checkpoints", type=int, default=2, help="complete checkpoints to keep")
+    parser.add("resume", action="store_true",
+               help="continue the run in --output_dir from its newest complete checkpoint (start afresh if none)")
+    parser.add("overwrite", action="store_true",
+               help="replace the run in --output_dir (its metrics, checkpoints and final model are deleted "
+                    "once every input has been checked)")
+    parser.add("trust_remote_code", action="store_true",
+               help="let the model directory run its own Python code (off: only transformers' own classes load)")
+    parser.add("report_to", default="none",
+               help="also track in: none, or a comma-separated list of tensorboard, mlflow, wandb")
+    return parser
+
+
+def check_arguments(args):
+    """Refuse settings that cannot work or make training meaningless, before any work starts."""
+    for name in ("total_batch_size", "batch_size_per_device", "max_steps", "eval_rows", "eval_games",
+                 "keep_checkpoints"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name} must be at least 1 (got {getattr(args, name)})")
+    if args.max_seq_length < 16:
+        raise UserError(f"--max_seq_length must be at least 16 tokens (got {args.max_seq_length})")
+    if not (args.learning_rate > 0 and math.isfinite(args.learning_rate)):
+        raise UserError(f"--learning_rate must be a positive number (got {args.learning_rate})")
+    if not 0 <= args.weight_decay <= 1:
+        raise UserError(f"--weight_decay must be between 0 and 1 (got {args.weight_decay})")
+    if not (args.max_grad_norm > 0 and math.isfinite(args.max_grad_norm)):
+        raise UserError(f"--max_grad_norm must be a positive number (got {args.max_grad_norm}): it is the "
+                        "largest gradient norm kept; 1.0 is usual")
+    if not 0 <= args.seed < 2**32:
+        raise UserError(f"--seed must be between 0 and 2**32 - 1 (got {args.seed})")
+    if args.eval_every < 0 or args.save_every < 0:
+        raise UserError("--eval_every and --save_every must be 0 (only at the end) or positive")
+    if args.resume and args.overwrite:
+        raise UserError("--resume continues the run in --output_dir, --overwrite replaces it: choose one")
+    args.report_to = parse_report_to(args.report_to)
+    args.warmup_is_default = args.warmup_steps is None
+    if args.warmup_steps is None:
+        args.warmup_steps = max(1, args.max_steps // 10)
+    if not 0 <= args.warmup_steps <= args.max_steps:
+        raise UserError(f"--warmup_steps must be between 0 and --max_steps ({args.max_steps})")

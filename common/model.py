@@ -1,0 +1,82 @@
+"""Loading the model and its tokenizer: the same Hugging Face path for CodeLlama-7b and the demo.
+
+Weights load in fp32: mixed precision is applied per step (autocast in 02/03, FSDP's policy in
+04), never by casting the model. Code shipped inside a model folder runs only with
+--trust_remote_code. A missing or damaged file is one `error:` line that says what to do.
+"""
+from pathlib import Path
+
+import torch
+
+from common.errors import UserError
+
+DEMO_DOWNLOAD = "python 01_download/download.py --demo --out demo"
+DEMO_MODEL = Path(__file__).resolve().parents[1] / "demo" / "model"
+
+
+def first_line(err):
+    text = str(err).strip()
+    return text.splitlines()[0][:300] if text else type(err).__name__
+
+
+def model_missing_message(name, err):
+    """What to do about a model that does not load: download it, or download it again."""
+    if Path(name).is_dir():  # there, but a file in it is missing or damaged
+        return (f"cannot load the model at {name} ({first_line(err)}): re-run the download step "
+                f"(`{DEMO_DOWNLOAD}` for the demo model) if its files are damaged")
+    if Path(name).resolve() == DEMO_MODEL:
+        return f"no demo model in {name}: run `{DEMO_DOWNLOAD}` first"
+    return (f"model {name} is neither a directory nor in the Hugging Face cache ({first_line(err)}): download "
+            f"it on a login node first with `python 01_download/download.py --model {name} --out DIR` "
+            "(compute nodes are offline: HF_HUB_OFFLINE=1 and the same HF_HOME)")
+
+
+def load_config(name, trust_remote_code=False, **kwargs):
+    from transformers import AutoConfig
+    try:
+        return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code, **kwargs)
+    except (OSError, ValueError, TypeError, KeyError) as err:
+        raise UserError(model_missing_message(name, err)) from None
+
+
+def load_tokenizer(name, config, trust_remote_code=False):
+    """The model's tokenizer; refused if it has more tokens than the model has embeddings."""
+    from transformers import AutoTokenizer
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError, KeyError) as err:
+        raise UserError(model_missing_message(name, err)) from None
+    if tokenizer.pad_token_id is None:  # Llama tokenizers have none; padding is masked out anyway
+        tokenizer.pad_token = tokenizer.eos_token
+    if len(tokenizer) > config.vocab_size:
+        raise UserError(f"the tokenizer in {name} has {len(tokenizer):,} tokens but the model only "
+                        f"{config.vocab_size:,} embeddings (vocab_size in config.json): token ids beyond it "
+                        "cannot be trained; use the tokenizer that came with the model")
+    return tokenizer
+
+
+def build_model(config, trust_remote_code=False):
+    """Random weights of the given shape (meta device or fake tensors: no memory at all)."""
+    from transformers import AutoModelForCausalLM
+    try:
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    except (ValueError, TypeError, KeyError, AttributeError) as err:  # a config.json value of the wrong type
+        raise UserError(f"cannot build the model from its config.json ({first_line(err)}): "
+                        "check the values in config.json, or re-run the download step") from None
+
+
+def load_model(name, trust_remote_code=False, **kwargs):
+    """The pretrained model with its weights, in fp32."""
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM
+    try:
+        return AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, trust_remote_code=trust_remote_code,
+                                                    **kwargs)
+    except (OSError, ValueError, RuntimeError, TypeError, KeyError, SafetensorError) as err:  # missing, or damaged
+        raise UserError(model_missing_message(name, err)) from None
+
+
+def enable_gradient_checkpointing(model):
+    """Per decoder layer, non-reentrant; HF keeps its hooks outside the recomputed region."""
+    model.config.use_cache = False
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

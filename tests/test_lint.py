@@ -1,0 +1,52 @@
+"""The code stays readable: flake8-clean Python (ruff, the rules of pyproject.toml), and each step's
+lesson stays its diff to the previous step. A diff that grows past its budget means something
+that is not the lesson crept into a step script: move it to common/ (if the steps share it) or to
+the tool that needs it, or raise the budget here if the lesson itself grew."""
+import difflib
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.quick
+
+# Changed lines (added + removed) between consecutive steps' train.py.
+DIFF_BUDGETS = {
+    ("02_singlegpu", "03_ddp"): 140,   # DDP: torchrun's ranks, the process group, DDP(), no_sync, all-reduces
+    ("03_ddp", "04_fsdp"): 200,        # FSDP: strategies and mesh, fully_shard per layer then root, mixed
+                                       # precision, rank-0 loading, sharded checkpoints, gathered export
+    ("04_fsdp", "05_lora"): 120,       # LoRA/QLoRA: adapters, adapter-only checkpoints and export
+}
+
+
+def changed_lines(before, after):
+    a = (REPO / before / "train.py").read_text().splitlines()
+    b = (REPO / after / "train.py").read_text().splitlines()
+    return sum(1 for line in difflib.unified_diff(a, b, lineterm="", n=0)
+               if line[:1] in "+-" and not line.startswith(("+++", "---")))
+
+
+def test_python_is_flake8_clean():
+    ruff = shutil.which("ruff", path=str(Path(sys.executable).parent))
+    if ruff is None:
+        pytest.skip("ruff is not installed (pip install -r requirements-test.txt)")
+    result = subprocess.run([ruff, "check", "--no-cache", "."], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("steps", DIFF_BUDGETS, ids=lambda steps: f"{steps[0]}->{steps[1]}")
+def test_each_step_differs_from_the_last_by_its_lesson_only(steps):
+    assert changed_lines(*steps) <= DIFF_BUDGETS[steps], (
+        f"diff {steps[0]}/train.py {steps[1]}/train.py changes {changed_lines(*steps)} lines, "
+        f"more than its budget of {DIFF_BUDGETS[steps]}")
+
+
+def test_no_script_edits_sys_path():
+    """The kit is installed (install.sh: pip install -e .), so nothing needs to."""
+    edit = "sys.path." + "insert"
+    offenders = [str(path.relative_to(REPO)) for path in REPO.rglob("*.py")
+                 if ".venv" not in path.parts and edit in path.read_text()]
+    assert offenders == []

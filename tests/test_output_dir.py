@@ -1,0 +1,181 @@
+"""The output directory belongs to one run: a second run on it is refused (and a dead run's lock
+does not count), --resume continues the same run only (settings that would make it another run
+are refused, a longer run is allowed and says what that does to the schedule), --overwrite
+deletes nothing before every input is checked, a requeued Slurm job continues its run, and
+the files a run writes follow the user's umask."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from conftest import REPO, STEP_SCRIPTS, demo_args, read_metrics, run_step
+
+RUN = ["--max_steps", 2, "--save_every", 1, "--total_batch_size", 8, "--batch_size_per_device", 4]
+
+
+def one_error_line(result):
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    return errors[0]
+
+
+@pytest.fixture(scope="module")
+def finished_run(demo, tmp_path_factory):
+    output_dir = tmp_path_factory.mktemp("finished") / "run"
+    run_step("single", demo_args(demo, output_dir) + RUN)
+    return output_dir
+
+
+def with_changed(args, change):
+    """args with one option changed: [--flag] is added; [--option, value] replaces its value, or is added."""
+    args = list(args)
+    option, *value = change
+    if option in args and value:
+        args[args.index(option) + 1] = value[0]
+    else:
+        args += change
+    return args
+
+
+def copy_of(run, tmp_path):
+    import shutil
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    return copy
+
+
+def test_a_second_run_on_the_same_output_dir_is_refused_and_a_dead_ones_lock_is_not(demo, tmp_path):
+    output_dir = tmp_path / "run"
+    first = subprocess.Popen([sys.executable, str(STEP_SCRIPTS["single"]), *map(str, demo_args(demo, output_dir)),
+                              "--max_steps", "500", "--total_batch_size", "4"], cwd=REPO,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.time() + 120
+        while not (output_dir / "metrics.jsonl").exists():
+            assert first.poll() is None and time.time() < deadline, "the first run did not start"
+            time.sleep(0.1)
+        line = one_error_line(run_step("single", demo_args(demo, output_dir) + ["--resume", "--max_steps", 500,
+                                                                                 "--total_batch_size", 4],
+                                       check=False))
+        assert "another run is writing to" in line and f"pid {first.pid}" in line, line
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    # The dead run's lock file is still there, but nobody holds it.
+    assert (output_dir / ".lock").exists()
+    run_step("single", demo_args(demo, output_dir) + ["--overwrite", "--max_steps", 1, "--total_batch_size", 4])
+    assert [r["step"] for r in read_metrics(output_dir)] == [1]
+
+
+@pytest.mark.parametrize("change, words", [
+    (["--learning_rate", "5e-4"], "learning_rate: 0.001 then, 0.0005 now"),
+    (["--total_batch_size", 4], "total_batch_size: 8 then, 4 now"),
+    (["--seed", 3], "seed: 0 then, 3 now"),
+    (["--no_packing"], "packing: True then, False now"),
+    (["--max_steps", 1], "less than the run's 2"),
+])
+def test_resume_with_other_settings_is_refused(demo, finished_run, tmp_path, change, words):
+    run = copy_of(finished_run, tmp_path)
+    args = demo_args(demo, run) + with_changed(RUN, change) + ["--resume"]
+    line = one_error_line(run_step("single", args, check=False))
+    assert words in line, line
+    assert [r["step"] for r in read_metrics(run)] == [1, 2]
+
+
+def test_resume_may_change_the_split_and_grow_the_run(demo, finished_run, tmp_path):
+    """Another split of the same global batch (4 rows × 2 instead of 4 × 2 on one process, here
+    as 2 ranks) and a larger --max_steps are the same run, made longer; the note says what the
+    longer schedule does."""
+    run = copy_of(finished_run, tmp_path)
+    result = run_step("ddp", demo_args(demo, run) + ["--max_steps", 3, "--save_every", 1, "--total_batch_size", 8,
+                                                      "--batch_size_per_device", 2, "--resume"], nproc=2)
+    assert "cosine decay is stretched to end at step 3" in result.stdout + result.stderr
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]
+    assert read_metrics(run)[-1]["world_size"] == 2
+
+
+def test_resume_with_another_model_says_the_model_changed(demo, finished_run, tmp_path):
+    import shutil
+    run = copy_of(finished_run, tmp_path)
+    other = tmp_path / "other-model"
+    shutil.copytree(demo / "model", other)
+    config = json.loads((other / "config.json").read_text())
+    config["num_hidden_layers"] = 2
+    (other / "config.json").write_text(json.dumps(config))
+    args = demo_args(demo, run) + RUN + ["--resume"]
+    args[1] = other
+    line = one_error_line(run_step("single", args, check=False))
+    assert "is not the model the run" in line and "started from" in line, line
+    assert "--overwrite" not in line  # the advice never leads to deleting good checkpoints
+    assert len(list((run / "checkpoints").iterdir())) == 2
+
+
+def test_overwrite_with_a_mistyped_model_deletes_nothing(demo, finished_run, tmp_path):
+    run = copy_of(finished_run, tmp_path)
+    before = sorted(p.relative_to(run).as_posix() for p in run.rglob("*"))
+    args = demo_args(demo, run) + RUN + ["--overwrite"]
+    args[1] = tmp_path / "no-such-model"
+    one_error_line(run_step("single", args, check=False))
+    assert sorted(p.relative_to(run).as_posix() for p in run.rglob("*")) == before
+
+
+def test_requeued_job_continues_its_run_and_ignores_overwrite(demo, finished_run, tmp_path):
+    """A job requeued by Slurm (same job id, SLURM_RESTART_COUNT > 0) runs the same command again:
+    the --overwrite meant for its first start must not delete the checkpoint to continue from."""
+    run = copy_of(finished_run, tmp_path)
+    (run / "final").rename(tmp_path / "final-of-step-2")
+    env = {**os.environ, "SLURM_RESTART_COUNT": "1", "OMP_NUM_THREADS": "1"}
+    args = [*map(str, demo_args(demo, run) + ["--max_steps", 3, "--save_every", 1, "--total_batch_size", 8,
+                                              "--batch_size_per_device", 4, "--overwrite"])]
+    result = subprocess.run([sys.executable, str(STEP_SCRIPTS["single"]), *args], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "requeued job (restart 1): continuing the run" in result.stdout
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("flags, words", [
+    (["--batch_size", 3], "unrecognized arguments: --batch_size"),  # no prefix matching
+    (["--learn", "1e-3"], "unrecognized arguments: --learn"),
+    (["--batch_size_per_device", 2, "--batch-size-per-device", 4], "--batch_size_per_device is given twice"),
+    (["--max_grad_norm", 0], "--max_grad_norm must be a positive number"),
+    (["--weight_decay", -0.1], "--weight_decay must be between 0 and 1"),
+    (["--seed", -1], "--seed must be between 0"),
+    (["--learning_rate", "nan"], "--learning_rate must be a positive number"),
+])
+def test_no_silently_wrong_settings(demo, tmp_path, flags, words):
+    line = one_error_line(run_step("single", demo_args(demo, tmp_path / "run") + flags, check=False))
+    assert words in line, line
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_saved_files_follow_the_umask(demo, finished_run):
+    for path in [*(finished_run / "final").iterdir(), *(finished_run / "checkpoints").rglob("*")]:
+        if path.is_file():
+            assert path.stat().st_mode & 0o044 == 0o044, (path, oct(path.stat().st_mode))
+
+
+def test_ctrl_c_ends_with_one_line_naming_the_checkpoint(demo, tmp_path):
+    output_dir = tmp_path / "run"
+    process = subprocess.Popen([sys.executable, str(STEP_SCRIPTS["single"]), *map(str, demo_args(demo, output_dir)),
+                                "--max_steps", "500", "--save_every", "1", "--total_batch_size", "4"], cwd=REPO,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 120
+    while not (output_dir / "metrics.jsonl").exists() or not read_metrics(output_dir):
+        assert process.poll() is None and time.time() < deadline
+        time.sleep(0.1)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 0 and "Traceback" not in err, err[-3000:]
+    stopped = [line for line in out.splitlines() if line.startswith("preempted: saved a checkpoint at step")]
+    assert len(stopped) == 1 and "stopped by Ctrl-C" in stopped[0], out[-2000:]
+    assert not psutil.pid_exists(process.pid) or psutil.Process(process.pid).status() == psutil.STATUS_ZOMBIE
