@@ -25,3 +25,5 @@ echo "== 04_fsdp: 2 ranks x 8 rows =="
 $python -m common.torchrun --standalone --nproc-per-node 2 04_fsdp/train.py --output_dir "$runs/04_fsdp" "${train[@]}"
 
 $python benchmark/compare_runs.py "$runs/02_singlegpu" "$runs/03_ddp" "$runs/04_fsdp"
+echo "(tokens/s and memory vary with the machine and its load, the losses slightly with the CPU and torch build;"
+echo " the three runs should agree with each other: the lines above give their largest per-step difference)"

@@ -3,12 +3,15 @@
     python submit.py --step fsdp --gpus 4 --nodes 2
     python submit.py --step ddp --gpus 2 --total_batch_size 32 -- --learning_rate 2e-5 --max_steps 200
     python submit.py --step fsdp --gpus 4 --nodes 2 --dry-run     # print the plan and the sbatch script
+    python submit.py --step fsdp --gpus 8 --model codellama/CodeLlama-7b-hf -- --gradient_checkpointing
 
 One Slurm task per node runs torchrun, which starts one process per GPU; the training script
 works out the gradient accumulation that keeps the total batch the same at any GPU count, and
 submit.py prints it first, with the same function. Arguments after `--` go to the training
-script; its own parser checks them before anything is queued. Run it on the login node, after
-the download step (compute nodes are offline).
+script; its own parser checks them before anything is queued. For the FSDP steps (fsdp, lora) the
+plan check (04_fsdp/check_plan.py) then runs the job's code on fake tensors, in seconds on the
+login node's CPU, and a job that cannot fit in --gpu_memory_gib is refused with what to change.
+Run it on the login node, after the download step (compute nodes are offline).
 """
 import math
 import os
@@ -20,10 +23,10 @@ from pathlib import Path
 
 import submitit
 
-from common.arguments import Parser, check_arguments
+from common.arguments import Parser
 from common.batch import describe, gradient_accumulation_steps
 from common.errors import UserError, exit_on_user_error
-from common.steps import REPO, STEP_SCRIPTS, load_step
+from common.steps import REPO, STEP_SCRIPTS, check_training_arguments, load_script
 from slurm.step_launcher import PREEMPTION_SIGNAL, PREEMPTION_WARNING_S, StepLauncher
 
 # Training arguments that submit.py sets itself, from its own options of the same name.
@@ -51,6 +54,8 @@ def parse_arguments(argv):
     parser.add("data_dir", default=str(REPO / "demo/data"), help="directory with the games (see 01_download)")
     parser.add("output_dir", help="where the run writes; %%j becomes the job id (default: runs/STEP-%%j)")
     parser.add("log_dir", default="logs", help="submitit's logs go to LOG_DIR/JOBID/")
+    parser.add("gpu_memory_gib", type=float, default=80, help="memory of one GPU of the partition, for the plan check")
+    parser.add("force", action="store_true", help="submit without the plan check (a job it says cannot fit)")
     parser.add("dry_run", action="store_true", help="print the plan and the sbatch script; submit nothing")
     args = parser.parse_args(own)
     args.training_args = training_args
@@ -103,24 +108,23 @@ def check_request(args):
             raise UserError(f"--{name} must be at least 1 (got {getattr(args, name)})")
 
 
-def check_training_arguments(step, training_args):
-    """The training script's own parser and checks, here on the login node, so that a typo does
-    not wait in the queue to fail. Compute nodes are offline: the model and the games must be on
-    disk already (the same checks the training script makes when it starts). torch, transformers
-    and datasets load only here, so that a request refused for its own options is refused at once."""
-    from common.model import load_config
-    from common.prepare_data import source_files
-    args = load_step(step).parse_arguments(training_args)
-    check_arguments(args)
-    load_config(args.model, args.trust_remote_code, local_files_only=True)
-    for split in ("train", "validation"):
-        source_files(args.data_dir, split)
-    return args
-
-
 def absolute(path):
     """Relative paths mean relative to where submit.py runs, as for sbatch; the job runs elsewhere."""
     return str(Path(path).expanduser().resolve())
+
+
+def model_path(model):
+    """A model directory as an absolute path; a Hugging Face id as it is."""
+    return absolute(model) if Path(model).exists() else model
+
+
+def preemption_warning_s(timeout_min):
+    """When Slurm sends the USR2 warning: 5 minutes before the time limit, or halfway through a
+    shorter job. submitit must be using USR2 too, the signal the training scripts stop on."""
+    if submitit.JobEnvironment._usr_sig() != PREEMPTION_SIGNAL:  # SUBMITIT_PREEMPT_SIGNAL=USR1 in the environment
+        raise UserError(f"SUBMITIT_PREEMPT_SIGNAL={os.environ.get('SUBMITIT_PREEMPT_SIGNAL')}: the training scripts "
+                        "stop on USR2, submitit's default: unset SUBMITIT_PREEMPT_SIGNAL")
+    return min(PREEMPTION_WARNING_S, timeout_min * 60 // 2)
 
 
 class PlanOnlyExecutor(submitit.SlurmExecutor):
@@ -163,19 +167,18 @@ def main(argv):
     devices = args.gpus * args.nodes
     accumulation = gradient_accumulation_steps(args.total_batch_size, args.batch_size_per_device, devices)
     timeout_min = time_limit_minutes(args.time)
-    if submitit.JobEnvironment._usr_sig() != PREEMPTION_SIGNAL:  # SUBMITIT_PREEMPT_SIGNAL=USR1 in the environment
-        raise UserError(f"SUBMITIT_PREEMPT_SIGNAL={os.environ.get('SUBMITIT_PREEMPT_SIGNAL')}: the training scripts "
-                        "stop on USR2, submitit's default: unset SUBMITIT_PREEMPT_SIGNAL")
-    # The warning comes 5 minutes before the time limit, or halfway through a shorter job.
-    warning_s = min(PREEMPTION_WARNING_S, timeout_min * 60 // 2)
-    model = absolute(args.model) if Path(args.model).exists() else args.model  # else a Hugging Face id
+    warning_s = preemption_warning_s(timeout_min)
+    model = model_path(args.model)
     data_dir, output_dir = absolute(args.data_dir), absolute(args.output_dir or f"runs/{args.step}-%j")
     training_args = ["--model", model, "--data_dir", data_dir, "--output_dir", output_dir,
                      "--total_batch_size", str(args.total_batch_size),
                      "--batch_size_per_device", str(args.batch_size_per_device), *args.training_args]
-    check_training_arguments(args.step, training_args)
+    job = check_training_arguments(args.step, training_args)
     if not args.dry_run and shutil.which("sbatch") is None:
         raise UserError("no Slurm here (sbatch not found): run this on the cluster's login node, or add --dry-run")
+    if args.step in ("fsdp", "lora") and not args.force:
+        load_script("04_fsdp/check_plan.py").check_job(args.step, job, args.gpus, args.nodes, args.gpu_memory_gib,
+                                                       override="--force")
 
     executor, cpus_per_task = make_executor(args, timeout_min, warning_s)
     launcher = StepLauncher(args.step, args.gpus, cpus_per_task, training_args, warning_s)

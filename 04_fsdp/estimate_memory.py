@@ -1,16 +1,19 @@
-"""How much GPU memory will FSDP need? A per-GPU estimate, before you queue for a node.
+"""How much GPU memory will a step-4/5 job need? A per-GPU estimate from formulas, before you queue.
 
     python 04_fsdp/estimate_memory.py --gpus_per_node 4 --nodes 1 --max_seq_length 4096
     python 04_fsdp/estimate_memory.py --table --gradient_checkpointing     # 1/2/4/8 GPUs x strategies
+    python 04_fsdp/estimate_memory.py --lora --gpus_per_node 1             # step 5: LoRA adapters
     python 04_fsdp/estimate_memory.py --model demo/model --gpus_per_node 2 --max_seq_length 256
 
-The model is described by its config only: a local directory with config.json, a Hugging Face
-id already in the local cache, or --config path/to/config.json. Nothing is downloaded. For
-codellama/CodeLlama-7b-hf a built-in copy of the config is used when the cache lacks it.
+The model is described by its config only: a local directory with config.json, a config.json, or
+a Hugging Face id already in the local cache. Nothing is downloaded. For codellama/CodeLlama-7b-hf
+the kit's copy of its config (benchmark/codellama-7b-config.json) is used when the cache lacks it.
+Its twin, 04_fsdp/check_plan.py, measures the same job by running the training code on fake
+tensors; 04_fsdp/MEMORY.md compares the two.
 
-What is counted (per GPU, the way 04_fsdp/train.py trains: fp32 model, FSDP2 `fully_shard` on
-every decoder layer and then on the root, MixedPrecisionPolicy(param_dtype=compute dtype,
-reduce_dtype=fp32), AdamW created after sharding):
+What is counted (per GPU, the way 04_fsdp/train.py and 05_lora/train.py train: fp32 model, FSDP2
+`fully_shard` on every decoder layer and then on the root, MixedPrecisionPolicy(param_dtype=compute
+dtype, reduce_dtype=fp32), AdamW created after sharding, zero_grad(set_to_none=True) after a step):
 
 Parameter count. The model is built on the meta device from its config: exact shapes, no memory.
 
@@ -22,22 +25,32 @@ exp_avg_sq 8 B: 16 bytes per parameter, split N ways, N being the shard degree:
     NO_SHARD                   N = 1 (every GPU keeps everything, like DDP)
 FSDP2 cuts every parameter along dim 0 into N equal pieces, padding dim 0 up to a multiple of N,
 so per GPU each parameter costs ceil(dim0 / N) x (product of the other dims) x bytes.
+With --lora (step 5) the model's own weights are frozen: 4 B each (fp32, sharded), no gradient,
+no AdamW state; every target linear layer (in x out) gets adapters A (r x in) and B (out x r),
+trainable: 16 B per adapter parameter. (At 64 ranks A's r = 16 rows pad to one row per rank.)
+With --qlora the frozen linear layers of the decoder are stored in 4 bits (NF4) packed into bf16
+elements, sharded like the rest: 0.5 B per weight, plus their quantization constants (one byte
+per 64 weights and an fp32 per 256 of those), which every GPU keeps whole. Embeddings, norms and
+lm_head stay fp32.
 
-Unsharded working set (forward and backward only), in the compute dtype c (2 B for bf16/fp16,
-4 B for fp32):
+Unsharded working set (forward and backward only), in the compute dtype c (2 B for bf16, 4 B
+for fp32):
     parameters  FULL_SHARD, HYBRID_SHARD, NO_SHARD: the root unit (embeddings, final norm,
-                lm_head; its forward wraps the whole model, so it is gathered all through forward
-                and again all through backward) + two decoder layers (the one running and the
-                next one being gathered).
+                lm_head; its forward wraps the whole model) + two decoder layers (the one running
+                and the next one being gathered). 4-bit weights are gathered as they are stored.
                 SHARD_GRAD_OP: layers stay gathered after forward until their backward, so at
                 the turn from forward to backward the whole model is there: c x all parameters.
-    gradients   the largest unit's gradients in c, plus the fp32 copy that reduce-scatter
-                sends: (c + 4) x parameters of the largest unit.
+    gradients   one layer's gradients, copied to fp32 for the reduce-scatter: 4 B x its
+                trainable parameters.
+    --accumulate_unsharded (with more than one micro-batch per step): until the last micro-batch
+                every unit stays gathered (c x all parameters, as SHARD_GRAD_OP) and every
+                trainable parameter's gradient is kept whole in fp32, the reduce dtype: + 4 B x
+                trainable parameters, on every GPU, whatever the shard degree.
 
 Activations, counted for a Llama decoder layer (the bookkeeping of Korthikanti et al. 2022,
 arXiv 2205.05198, redone for Llama's SwiGLU MLP, RMSNorm and no dropout), in bytes per token,
 with h = hidden size, kv = key/value width (kv heads x head dim), i = MLP width, a = heads,
-s = sequence length, b = batch size per GPU:
+s = sequence length, b = batch size per GPU, V = vocabulary:
     attention  c x (3h + 2kv)   input of q/k/v projections, q, k and v, attention output
     MLP        c x (h + 4i)     input of gate/up, gate output, SiLU output, up output, product
     2 RMSNorms 2 x (4 + c) x h  each keeps its fp32 input and its normalised output
@@ -45,23 +58,35 @@ s = sequence length, b = batch size per GPU:
                has 34 h); SDPA/flash attention keeps no s x s matrix. With --attention eager add
                a x s x (4 + c) (fp32 softmax and its copy; 4 only for fp32) - Korthikanti's
                5 a s / h term.
-    all layers  s x b x layers x per-layer, or with --gradient_checkpointing only each layer's
-                input, s x b x layers x c x h, plus one layer's full activations while it is
+    LoRA       the frozen norm weights need no normalised output (- 2 c h); a frozen linear
+               layer without an adapter needs no input (- c h for q/k/v, gate/up, - c i for
+               down); each adapter keeps A's output for B (+ c r).
+    kept        s x b x layers x per-layer, or with --gradient_checkpointing only each layer's
+                input, s x b x layers x c x h; then one layer's full activations while it is
                 recomputed in backward.
-    head        s x b x [(4 + 2c) x h + (c + 4 + 4) x vocab]: final norm, lm_head input, the
+    head        forward: s x b x [(4 + 2c) x h + (c + 4 + 4) x V]: final norm, lm_head input, the
                 logits, their fp32 copy for the loss (none for fp32) and the fp32 log-softmax
-                that cross-entropy keeps for backward.
+                that cross-entropy keeps; at the start of backward the log-softmax, its gradient
+                and one temporary: s x b x [(4 + 2c) x h + 12 V]. (LoRA: 4 h instead of
+                (4 + 2c) h, the norm and lm_head being frozen.)
+    backward   the gradients of one layer's activations: s x b x c x (2h + 4i) (fitted to what
+               PyTorch's FSDPMemTracker measures; the kernels decide the exact figure).
 
 Optimizer step. Multi-tensor (foreach) AdamW, the default on GPU, makes one temporary copy of
-exp_avg_sq: 4 B per sharded parameter.
+exp_avg_sq: 4 B per sharded trainable parameter.
 
-Peak per GPU: the largest of three moments (each part is counted at its own maximum, so the
-estimate errs on the high side):
-    forward -> backward  parameters + optimizer state + working set + all activations. No
-                         gradients yet: train.py frees them after every step (zero_grad with
-                         set_to_none); with --gradient_accumulation_steps > 1 they stay.
-    end of backward      sharded state (gradients now complete) + working set
-    optimizer step       sharded state + optimizer step temporaries
+Peak per GPU: the largest of four moments. "State" is the sharded parameters and AdamW state,
+plus the gradients of earlier micro-batches when accumulating (zero_grad(set_to_none) frees the
+last step's):
+    end of forward      state + kept activations + the head's (the root is re-sharded once the
+                        forward returns; while lm_head runs it is gathered, with the logits only)
+    start of backward   state + kept activations + the head's in backward
+    backward            state + the root + the larger of (gathered layers + kept activations) at
+                        the top layer and (one layer + what is left + the gradients of all layers
+                        but the last) at the bottom one, + reduce-scatter buffer + the recomputed
+                        layer + the backward temporaries. (Going down the layers, activations and,
+                        with SHARD_GRAD_OP, gathered layers are freed as sharded gradients come.)
+    optimizer step      sharded parameters, gradients and AdamW state + the foreach temporary
 It fits when
     peak + 3 GiB (CUDA context, cuBLAS workspaces, NCCL buffers) + 10% of peak (allocator
     fragmentation, temporaries this model leaves out)  <=  --gpu_memory_gib.
@@ -72,74 +97,80 @@ and activations. Host RAM per node is then gpus_per_node x sharded state.
 """
 import argparse
 import math
-import sys
+from collections import namedtuple
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared `common` package
+import torch
 
-import torch  # noqa: E402
+from common.arguments import Parser
+from common.batch import gradient_accumulation_steps
+from common.errors import UserError, exit_on_user_error
 
-from common.errors import UserError, exit_on_user_error  # noqa: E402
-from common.train_setup import add_flag  # noqa: E402
-
+REPO = Path(__file__).resolve().parents[1]
 GiB = 1024 ** 3
 STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
-COMPUTE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}  # the dtype FSDP gathers weights in and runs layers in
+COMPUTE_BYTES = {"bf16": 2, "fp32": 4}  # the dtype FSDP gathers weights in and runs layers in
 PARAM_BYTES, GRAD_BYTES, ADAMW_BYTES = 4, 4, 8  # fp32 master weights, fp32 gradients, exp_avg + exp_avg_sq
 REDUCE_BYTES = 4  # MixedPrecisionPolicy(reduce_dtype=fp32)
+NF4_BYTES = 0.5  # QLoRA: 4 bits per frozen weight, packed into bf16 elements that FSDP shards
+NF4_CONSTANT_BYTES = 1 / 64 + 4 / (64 * 256)  # an 8-bit absmax per 64 weights, an fp32 per 256 absmax
 MARGIN_FIXED_GIB, MARGIN_FRACTION = 3.0, 0.10
 TABLE_GPUS = [1, 2, 4, 8]
-PEAK_MOMENTS = {"forward_to_backward": "fwd->bwd", "end_of_backward": "end of bwd", "optimizer_step": "step"}
+PEAK_MOMENTS = {"end_of_forward": "end of fwd", "start_of_backward": "start of bwd", "backward": "bwd",
+                "optimizer_step": "step"}
+MOMENT_LABELS = {"end_of_forward": "end of forward (the loss)", "start_of_backward": "start of backward (the loss's)",
+                 "backward": "backward through the layers", "optimizer_step": "optimizer step"}
+LORA_RANK, LORA_TARGETS = 16, "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # 05_lora's defaults
+# Which Llama linear layers need their input kept for backward (to compute their weight's gradient),
+# and its width: h (hidden) or i (MLP). o_proj's input, the attention output, is kept by attention anyway.
+LINEAR_INPUTS = {("q_proj", "k_proj", "v_proj"): "h", ("gate_proj", "up_proj"): "h", ("down_proj",): "i"}
 
-# The numbers of codellama/CodeLlama-7b-hf's config.json, so the estimate works with no cache at all.
-BUILT_IN_CONFIGS = {
-    "codellama/CodeLlama-7b-hf": dict(
-        model_type="llama", vocab_size=32016, hidden_size=4096, intermediate_size=11008,
-        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
-        max_position_embeddings=16384, rms_norm_eps=1e-5, rope_theta=1e6, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2),
-}
+# For codellama/CodeLlama-7b-hf the kit ships a copy of its config.json, so that the estimate and the
+# plan check work with no cache at all.
+BUILT_IN_CONFIGS = {"codellama/CodeLlama-7b-hf": REPO / "benchmark" / "codellama-7b-config.json"}
+
+# One parameter as FSDP shards it: its shape, whether AdamW trains it, bytes per element as stored.
+Param = namedtuple("Param", "shape trainable bytes")
 
 
 # ---- the model: config -> parameter shapes ------------------------------------------------------
-
-def load_config(model=None, config_path=None):
-    """The model's config and a line saying where it came from. Never touches the network."""
-    from transformers import AutoConfig
-    if config_path is not None:
-        if not Path(config_path).is_file():
-            raise UserError(f"--config {config_path}: no such file")
-        try:
-            return AutoConfig.from_pretrained(config_path), f"config {config_path}"
-        except (OSError, ValueError) as err:
-            raise UserError(f"--config {config_path}: not a model config ({first_line(err)})") from None
-    if Path(model).is_dir():
-        if not (Path(model) / "config.json").is_file():
-            raise UserError(f"--model {model}: the directory has no config.json")
-        return AutoConfig.from_pretrained(model), f"config {Path(model) / 'config.json'}"
-    try:
-        return AutoConfig.from_pretrained(model, local_files_only=True), f"{model} (local Hugging Face cache)"
-    except (OSError, ValueError) as err:
-        if model in BUILT_IN_CONFIGS:
-            built_in = dict(BUILT_IN_CONFIGS[model])
-            return (AutoConfig.for_model(built_in.pop("model_type"), **built_in),
-                    f"{model} (not in the local Hugging Face cache: using the built-in copy of its config)")
-        raise UserError(f"--model {model}: not a local directory and not in the local Hugging Face cache "
-                        f"({first_line(err)}); download it with `python 01_download/download.py --model {model}` "
-                        "or pass --config path/to/config.json") from None
-
 
 def first_line(err):
     return (str(err).strip().splitlines() or [type(err).__name__])[0]
 
 
-class ModelShape:
-    """What the estimate needs to know: parameter shapes per FSDP unit, and the layer sizes."""
+def load_config(model):
+    """The model's config and a line saying where it came from: `model` is a directory with
+    config.json, a config.json, or a Hugging Face id in the local cache. Never touches the network."""
+    from transformers import AutoConfig
+    path = Path(model)
+    if path.is_file() or path.is_dir():
+        file = path / "config.json" if path.is_dir() else path
+        if not file.is_file():
+            raise UserError(f"--model {model}: the directory has no config.json")
+        try:
+            return AutoConfig.from_pretrained(file), f"config {file}"
+        except (OSError, ValueError, TypeError, KeyError) as err:
+            raise UserError(f"--model {model}: not a model config ({first_line(err)})") from None
+    try:
+        return AutoConfig.from_pretrained(model, local_files_only=True), f"{model} (local Hugging Face cache)"
+    except (OSError, ValueError) as err:
+        if model in BUILT_IN_CONFIGS:
+            return (AutoConfig.from_pretrained(BUILT_IN_CONFIGS[model]),
+                    f"{model} (not in the local Hugging Face cache: the kit's copy of its config, "
+                    f"{BUILT_IN_CONFIGS[model].relative_to(REPO)})")
+        raise UserError(f"--model {model}: not a local directory or config.json and not in the local Hugging Face "
+                        f"cache ({first_line(err)}); download it with `python 01_download/download.py --model "
+                        f"{model}`, or pass --model path/to/config.json") from None
 
-    def __init__(self, name, root_shapes, layer_shapes, config):
+
+class ModelShape:
+    """What the estimate needs to know: parameter names and shapes per FSDP unit, and the layer sizes."""
+
+    def __init__(self, name, root_shapes, layers, config):
         self.name = name
         self.root_shapes = root_shapes  # outside the decoder layers: embeddings, final norm, lm_head
-        self.layer_shapes = layer_shapes  # one list of shapes per decoder layer
+        self.layers = layers  # per decoder layer: [(parameter name, shape)]
         self.vocab_size = config.vocab_size
         self.hidden_size = config.hidden_size
         self.intermediate_size = config.intermediate_size
@@ -148,12 +179,16 @@ class ModelShape:
         self.kv_size = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim
 
     @property
+    def layer_shapes(self):
+        return [[shape for _, shape in layer] for layer in self.layers]
+
+    @property
     def all_shapes(self):
         return self.root_shapes + [shape for layer in self.layer_shapes for shape in layer]
 
     @property
     def num_layers(self):
-        return len(self.layer_shapes)
+        return len(self.layers)
 
     @property
     def num_params(self):
@@ -177,8 +212,31 @@ def model_shape(config, name):
         raise UserError(f"{name}: no model.model.layers, which 04_fsdp shards one by one")
     in_layers = {id(p) for p in layers.parameters()}
     root_shapes = [tuple(p.shape) for p in model.parameters() if id(p) not in in_layers]
-    layer_shapes = [[tuple(p.shape) for p in layer.parameters()] for layer in layers]
-    return ModelShape(name, root_shapes, layer_shapes, config)
+    return ModelShape(name, root_shapes, [[(n, tuple(p.shape)) for n, p in layer.named_parameters()]
+                                          for layer in layers], config)
+
+
+def linear_name(parameter_name):
+    """"self_attn.q_proj.weight" -> "q_proj"; None for what is not a linear layer's weight."""
+    parts = parameter_name.split(".")
+    return parts[-2] if len(parts) >= 2 and parts[-1] == "weight" and parts[-2].endswith("proj") else None
+
+
+def fsdp_units(shape, lora_rank=None, lora_targets=(), qlora=False):
+    """The FSDP units, root first, then one per decoder layer: lists of Params. Full fine-tuning
+    trains everything; LoRA freezes the model and adds trainable A (r x in) and B (out x r) beside
+    each target linear layer; QLoRA also stores the decoder's frozen linear weights in 4 bits."""
+    lora = lora_rank is not None
+    units = [[Param(s, not lora, PARAM_BYTES) for s in shape.root_shapes]]
+    for layer in shape.layers:
+        unit = []
+        for name, (rows, *rest) in layer:
+            linear = linear_name(name)
+            unit.append(Param((rows, *rest), not lora, NF4_BYTES if qlora and linear else PARAM_BYTES))
+            if lora and linear in lora_targets:
+                unit += [Param((lora_rank, *rest), True, PARAM_BYTES), Param((rows, lora_rank), True, PARAM_BYTES)]
+        units.append(unit)
+    return units
 
 
 # ---- sharded state ------------------------------------------------------------------------------
@@ -200,30 +258,26 @@ def sharded_bytes(shapes, degree, bytes_per_element):
     return total
 
 
-def sharded_state_bytes(shape, degree):
+def sharded_state_bytes(units, degree):
     """The per-GPU parameter, gradient and AdamW bytes that live for the whole run."""
-    shapes = shape.all_shapes
-    return {"parameters": sharded_bytes(shapes, degree, PARAM_BYTES),
-            "gradients": sharded_bytes(shapes, degree, GRAD_BYTES),
-            "optimizer": sharded_bytes(shapes, degree, ADAMW_BYTES)}
+    params = [p for unit in units for p in unit]
+    trainable = [p.shape for p in params if p.trainable]
+    stored = sum(sharded_bytes([p.shape], degree, p.bytes) for p in params)
+    # QLoRA's quantization constants are not FSDP parameters: every GPU keeps them whole.
+    constants = sum(math.prod(p.shape) for p in params if p.bytes == NF4_BYTES) * NF4_CONSTANT_BYTES
+    return {"parameters": int(stored + constants),
+            "gradients": sharded_bytes(trainable, degree, GRAD_BYTES),
+            "optimizer": sharded_bytes(trainable, degree, ADAMW_BYTES)}
 
 
 # ---- what exists only while the model runs ------------------------------------------------------
 
-def unsharded_working_set_bytes(shape, strategy, compute_bytes):
-    """Full (gathered) copies of some units' parameters, and one unit's full gradients."""
-    root = count(shape.root_shapes)
-    layers = sorted((count(layer) for layer in shape.layer_shapes), reverse=True)
-    if strategy == "SHARD_GRAD_OP":
-        gathered = shape.num_params  # nothing is re-sharded after forward
-    else:
-        gathered = root + sum(layers[:2])  # root stays gathered; one layer runs, the next is gathered
-    largest_unit = max([root] + layers)
-    return {"unsharded_parameters": gathered * compute_bytes,
-            "unsharded_gradients": largest_unit * (compute_bytes + REDUCE_BYTES)}
+def gathered_bytes(unit, compute_bytes):
+    """A unit's weights once all-gathered: in the compute dtype, or 4-bit weights as stored."""
+    return sum(math.prod(p.shape) * (p.bytes if p.bytes == NF4_BYTES else compute_bytes) for p in unit)
 
 
-def layer_activation_bytes_per_token(shape, compute_bytes, attention, seq_length):
+def layer_activation_bytes_per_token(shape, compute_bytes, attention, seq_length, lora_rank=None, lora_targets=()):
     """What one decoder layer keeps for backward, per token (see the module docstring)."""
     h, kv, i, c = shape.hidden_size, shape.kv_size, shape.intermediate_size, compute_bytes
     attention_part = c * (3 * h + 2 * kv)
@@ -232,49 +286,87 @@ def layer_activation_bytes_per_token(shape, compute_bytes, attention, seq_length
     scores = 0
     if attention == "eager":  # softmax in fp32, then cast to c: the s x s matrices per head stay
         scores = shape.num_heads * seq_length * (4 + (c if c < 4 else 0))
-    return attention_part + mlp_part + norms + scores
+    total = attention_part + mlp_part + norms + scores
+    if lora_rank is not None:
+        total -= 2 * c * h  # frozen norm weights: their normalised output is not needed
+        for linears, width in LINEAR_INPUTS.items():
+            if not set(linears) & set(lora_targets):  # frozen, no adapter: the input is not needed
+                total -= c * {"h": h, "i": i}[width]
+        layer_linears = {linear_name(name) for name, _ in shape.layers[0]}
+        total += c * lora_rank * len(layer_linears & set(lora_targets))  # A's output, kept for B
+    return total
 
-
-def activation_bytes(shape, seq_length, batch_size, compute_bytes, gradient_checkpointing, attention):
-    """Activations kept for backward: decoder layers, and the head (final norm, logits, loss)."""
-    tokens = seq_length * batch_size
-    one_layer = tokens * layer_activation_bytes_per_token(shape, compute_bytes, attention, seq_length)
-    if gradient_checkpointing:
-        # Only each layer's input stays; one layer at a time is recomputed in full in backward.
-        layers = shape.num_layers * tokens * compute_bytes * shape.hidden_size + one_layer
-    else:
-        layers = shape.num_layers * one_layer
-    upcast = 4 if compute_bytes < 4 else 0  # the loss runs on an fp32 copy of the logits
-    head = tokens * ((4 + 2 * compute_bytes) * shape.hidden_size
-                     + (compute_bytes + upcast + 4) * shape.vocab_size)
-    return {"activations_layers": layers, "activations_head": head}
-
-
-# ---- the estimate ---------------------------------------------------------------------------------
 
 def estimate(shape, strategy="FULL_SHARD", gpus_per_node=1, nodes=1, precision="bf16", seq_length=4096,
-             batch_size=1, gradient_checkpointing=False, cpu_offload=False, attention="sdpa",
-             gradient_accumulation_steps=1, shard_group_size=None):
-    """Per-GPU bytes of every part, of the three moments that can be the peak, and the peak;
-    host RAM per node for an offloaded state. All in bytes."""
-    compute_bytes = COMPUTE_BYTES[precision]
+             batch_size=1, gradient_checkpointing=False, cpu_offload=False, attention="sdpa", accumulation=1,
+             shard_group_size=None, accumulate_unsharded=False, lora_rank=None, lora_targets=(), qlora=False):
+    """Per-GPU bytes of every part, of the four moments that can be the peak, and the peak; host
+    RAM per node for an offloaded state. All in bytes. lora_rank=None: full fine-tuning. The
+    moments and their parts are those of the module docstring."""
+    c, h, i, vocab = COMPUTE_BYTES[precision], shape.hidden_size, shape.intermediate_size, shape.vocab_size
+    tokens, layers, lora = seq_length * batch_size, shape.num_layers, lora_rank is not None
     degree = shard_degree(strategy, gpus_per_node, nodes, shard_group_size)
-    state = sharded_state_bytes(shape, degree)
-    working_set = unsharded_working_set_bytes(shape, strategy, compute_bytes)
-    activations = activation_bytes(shape, seq_length, batch_size, compute_bytes, gradient_checkpointing, attention)
-    # foreach AdamW: one temporary the size of exp_avg_sq, i.e. half the optimizer state.
-    step_temporaries = 0 if cpu_offload else state["optimizer"] // 2
+    units = fsdp_units(shape, lora_rank, lora_targets, qlora)
+    state = sharded_state_bytes(units, degree)
+    keep = accumulate_unsharded and accumulation > 1  # until the last micro-batch nothing is re-sharded
     on_gpu = 0 if cpu_offload else 1  # offloaded: the sharded state is in host RAM
-    grads_during_forward = state["gradients"] if gradient_accumulation_steps > 1 else 0
+
+    # Gathered weights and whole gradients.
+    root, layer = gathered_bytes(units[0], c), max(gathered_bytes(unit, c) for unit in units[1:])
+    trainable = [sum(math.prod(p.shape) for p in unit if p.trainable) for unit in units]
+    all_gathered = strategy == "SHARD_GRAD_OP" or keep  # no layer re-sharded after its forward
+    layers_gathered = layers * layer if all_gathered else 2 * layer  # or: the one running, the next one
+    kept_gradients = sum(trainable) * REDUCE_BYTES if keep else 0  # whole, in fp32, between micro-batches
+    # In backward: one layer's fp32 reduce-scatter buffer (--accumulate_unsharded: its new gradient).
+    unsharded_gradients = max(trainable[1:]) * (c if keep else REDUCE_BYTES)
+    layer_gradients = sharded_bytes([p.shape for unit in units[1:] for p in unit if p.trainable], degree, GRAD_BYTES)
+
+    # Activations.
+    one_layer = tokens * layer_activation_bytes_per_token(shape, c, attention, seq_length, lora_rank, lora_targets)
+    layer_input = tokens * c * h
+    kept_activations = layers * (layer_input if gradient_checkpointing else one_layer)
+    recomputed = one_layer if gradient_checkpointing else 0  # one layer at a time, in backward
+    norm = (4 if lora else 4 + 2 * c) * h  # the final norm's fp32 input (and its output and lm_head's input)
+    upcast = 4 if c < 4 else 0  # the loss runs on an fp32 copy of the logits
+    head_forward = tokens * (norm + (c + upcast + 4) * vocab)  # logits, fp32 copy, log-softmax
+    lm_head_running = tokens * (norm + c * vocab)  # logits only, while the root is still gathered
+    head_backward = tokens * (norm + 3 * 4 * vocab)  # log-softmax, its gradient, one temporary (fp32)
+    layer_backward = tokens * c * (2 * h + 4 * i)  # gradients of a layer's output and its MLP's tensors
+
+    step_temporaries = 0 if cpu_offload else state["optimizer"] // 2  # foreach AdamW: a copy of exp_avg_sq
+    gradients_before = state["gradients"] if accumulation > 1 and not keep else 0  # earlier micro-batches'
+    base = on_gpu * (state["parameters"] + state["optimizer"] + gradients_before) + kept_gradients
+    growing = 0 if gradients_before or keep else on_gpu * layer_gradients * (layers - 1) // layers
     moments = {
-        "forward_to_backward": on_gpu * (state["parameters"] + state["optimizer"] + grads_during_forward)
-        + sum(working_set.values()) + sum(activations.values()),
-        "end_of_backward": on_gpu * sum(state.values()) + sum(working_set.values()),
+        "end_of_forward": base + kept_activations + (layers * layer + root if all_gathered else 0)
+        + max(head_forward, lm_head_running + (0 if all_gathered else root + layers_gathered)),
+        "start_of_backward": base + kept_activations + head_backward + (root + layers * layer if all_gathered else 0),
+        # Through the layers, top to bottom: gathered weights (and activations) go as gradients come.
+        "backward": base + root + max(layers_gathered + kept_activations,
+                                      (layers * layer if keep else layer) + kept_activations // layers + growing)
+        + unsharded_gradients + recomputed + layer_backward,
         "optimizer_step": on_gpu * sum(state.values()) + step_temporaries,
     }
     host_per_node = gpus_per_node * sum(state.values()) if cpu_offload else 0
-    return {**state, **working_set, **activations, "optimizer_step_temporaries": step_temporaries,
-            **moments, "peak": max(moments.values()), "host_per_node": host_per_node, "shard_degree": degree}
+    return {**state, "gathered_parameters": root + layers_gathered,
+            "unsharded_gradients": unsharded_gradients + kept_gradients, "activations_kept": kept_activations,
+            "activations_recomputed": recomputed, "activations_head": max(head_forward, head_backward),
+            "backward_temporaries": layer_backward, "optimizer_step_temporaries": step_temporaries, **moments,
+            "peak": max(moments.values()), "host_per_node": host_per_node, "shard_degree": degree,
+            "trainable_parameters": sum(trainable)}
+
+
+def estimate_job(shape, args, gpus_per_node, nodes, lora=False, attention="sdpa"):
+    """estimate() for a job's training arguments (04_fsdp's, or 05_lora's with lora=True)."""
+    accumulation = gradient_accumulation_steps(args.total_batch_size, args.batch_size_per_device,
+                                               gpus_per_node * nodes)
+    targets = args.lora_target_modules if lora else ()
+    return estimate(shape, args.sharding_strategy, gpus_per_node, nodes, args.precision or "bf16",
+                    args.max_seq_length, args.batch_size_per_device, args.gradient_checkpointing, args.cpu_offload,
+                    attention, accumulation, args.shard_group_size, args.accumulate_unsharded,
+                    lora_rank=args.lora_rank if lora else None,
+                    lora_targets=targets.split(",") if isinstance(targets, str) else targets,
+                    qlora=lora and getattr(args, "qlora", False))
 
 
 def needed_bytes(peak):
@@ -284,6 +376,13 @@ def needed_bytes(peak):
 
 def fits(peak, gpu_memory_gib):
     return needed_bytes(peak) <= gpu_memory_gib * GiB
+
+
+def gpu_memory_default():
+    """The memory of this machine's GPU, or 80 GiB (an A100/H100) where there is none."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory / GiB
+    return 80.0
 
 
 def loading_bytes(shape):
@@ -298,48 +397,57 @@ def gib(n):
     return f"{n / GiB:.2f}"
 
 
-def setup_line(args):
+def setup_line(args, accumulation):
     checkpointing = "activation checkpointing" if args.gradient_checkpointing else "no activation checkpointing"
-    accumulation = (f", {args.gradient_accumulation_steps} micro-batches per step"
-                    if args.gradient_accumulation_steps > 1 else "")
+    if accumulation is None:  # a table: the accumulation follows from each row's GPU count
+        micro = f"total batch {args.total_batch_size}" if args.total_batch_size else "1 micro-batch per step"
+    else:
+        micro = f"{accumulation} micro-batches per step" if accumulation > 1 else "1 micro-batch per step"
+    unsharded = ", --accumulate_unsharded" if args.accumulate_unsharded else ""
     offload = ", CPU offload" if args.cpu_offload else ""
-    return (f"{args.precision} compute, sequence {args.max_seq_length}, batch {args.batch_size_per_device} per GPU"
-            f"{accumulation}, {checkpointing}, {args.attention} attention{offload}")
-
-
-def estimate_for(shape, args, strategy, gpus_per_node, nodes, shard_group_size):
-    return estimate(shape, strategy, gpus_per_node, nodes, args.precision, args.max_seq_length,
-                    args.batch_size_per_device, args.gradient_checkpointing, args.cpu_offload, args.attention,
-                    args.gradient_accumulation_steps, shard_group_size)
+    tuning = "full fine-tuning"
+    if args.lora:
+        tuning = f"{'QLoRA' if args.qlora else 'LoRA'} r={args.lora_rank} on {','.join(args.lora_target_modules)}"
+    return (f"{tuning}, {args.precision} compute, sequence {args.max_seq_length}, batch "
+            f"{args.batch_size_per_device} per GPU, {micro}{unsharded}, {checkpointing}, {args.attention} "
+            f"attention{offload}")
 
 
 def report(shape, source, args):
     """The human-readable estimate for one setup."""
-    est = estimate_for(shape, args, args.sharding_strategy, args.gpus_per_node, args.nodes, args.shard_group_size)
+    gpus = args.gpus_per_node * args.nodes
+    args = argparse.Namespace(**{**vars(args), "total_batch_size": args.total_batch_size
+                                 or args.batch_size_per_device * gpus})
+    est = estimate_job(shape, args, args.gpus_per_node, args.nodes, args.lora, args.attention)
+    accumulation = gradient_accumulation_steps(args.total_batch_size, args.batch_size_per_device, gpus)
     where = "host RAM" if args.cpu_offload else "fp32"
     share = f"1/{est['shard_degree']}"
     layers = f"{shape.num_layers} decoder layers, {'' if args.gradient_checkpointing else 'not '}checkpointed"
-    gathered = "the whole model" if args.sharding_strategy == "SHARD_GRAD_OP" else "root + 2 decoder layers"
+    keep = args.accumulate_unsharded and accumulation > 1
+    gathered = "the whole model" if args.sharding_strategy == "SHARD_GRAD_OP" or keep else "root + 2 decoder layers"
+    frozen = " (frozen: 4-bit linear layers)" if args.qlora else " (frozen)" if args.lora else ""
+    unsharded = "whole fp32 gradients + one layer's new ones" if keep else "one layer's fp32 reduce-scatter buffer"
     parts = [
-        (f"parameters ({where}, {share})", est["parameters"]),
-        (f"gradients ({where}, {share})", est["gradients"]),
+        (f"parameters ({where}, {share}){frozen}", est["parameters"]),
+        (f"gradients ({where}, {share}, trainable parameters)", est["gradients"]),
         (f"optimizer state (AdamW exp_avg + exp_avg_sq, {where}, {share})", est["optimizer"]),
-        (f"gathered parameters ({args.precision}: {gathered})", est["unsharded_parameters"]),
-        (f"unsharded gradients ({args.precision} + fp32 copy, largest unit)", est["unsharded_gradients"]),
-        (f"activations ({layers})", est["activations_layers"]),
+        (f"gathered parameters ({args.precision}: {gathered})", est["gathered_parameters"]),
+        (f"unsharded gradients ({unsharded})", est["unsharded_gradients"]),
+        (f"activations ({layers})", est["activations_kept"]),
+        ("activations of the layer recomputed in backward", est["activations_recomputed"]),
         ("activations (final norm, logits, loss)", est["activations_head"]),
+        ("backward temporaries (gradients of one layer's activations)", est["backward_temporaries"]),
         ("optimizer step temporaries (foreach AdamW)" if not args.cpu_offload
          else "optimizer step temporaries (the step runs on the CPU)", est["optimizer_step_temporaries"]),
     ]
-    no_grads = "" if args.gradient_accumulation_steps > 1 else " (no gradients yet)"
-    moments = [(f"forward -> backward{no_grads}", est["forward_to_backward"]),
-               ("end of backward", est["end_of_backward"]), ("optimizer step", est["optimizer_step"])]
+    moments = [(label, est[key]) for key, label in MOMENT_LABELS.items()]
     needed = needed_bytes(est["peak"])
     margin = f"margin ({MARGIN_FIXED_GIB:g} GiB CUDA context/NCCL + {MARGIN_FRACTION:.0%} fragmentation)"
     layout = f"{args.sharding_strategy} on {args.nodes} node(s) x {args.gpus_per_node} GPU(s)"
     verdict = "fits" if fits(est["peak"], args.gpu_memory_gib) else "does NOT fit"
-    lines = [f"model: {source}: {shape.num_params:,} parameters", f"{layout}; shard degree {est['shard_degree']}",
-             setup_line(args), "", f"{'per GPU':62s} {'GiB':>7s}"]
+    lines = [f"model: {source}: {shape.num_params:,} parameters, {est['trainable_parameters']:,} trained",
+             f"{layout}; shard degree {est['shard_degree']}", setup_line(args, accumulation), "",
+             f"{'per GPU':62s} {'GiB':>7s}"]
     lines += [f"  {label:60s} {gib(value):>7s}" for label, value in parts]
     lines += ["", "per GPU at the moments that can be the peak:"]
     lines += [f"  {label:60s} {gib(value):>7s}" for label, value in moments]
@@ -362,17 +470,22 @@ def table(shape, source, args):
               f"fits = needed <= {args.gpu_memory_gib:g} GiB")
     header = ("| GPUs | strategy | params | grads | AdamW | gathered params + unsharded grads | activations "
               "| peak GiB | peak at | needed GiB | fits |")
-    lines = [f"model: {source}: {shape.num_params:,} parameters", f"{setup_line(args)}; {layout}", "",
+    lines = [f"model: {source}: {shape.num_params:,} parameters", f"{setup_line(args, None)}; {layout}", "",
              header, "|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---|"]
     for gpus in TABLE_GPUS:
         per_node, group_here = min(gpus, args.gpus_per_node), min(gpus, group)
         for strategy in STRATEGIES:
             if gpus % per_node or gpus % group_here:
                 continue  # these GPUs do not fill whole nodes or groups
-            est = estimate_for(shape, args, strategy, per_node, gpus // per_node, group_here)
+            total = args.total_batch_size or args.batch_size_per_device * gpus
+            if total % (args.batch_size_per_device * gpus):
+                continue  # the total batch does not split over these GPUs
+            job = argparse.Namespace(**{**vars(args), "sharding_strategy": strategy, "shard_group_size": group_here,
+                                        "total_batch_size": total})
+            est = estimate_job(shape, job, per_node, gpus // per_node, args.lora, args.attention)
             cells = [est["parameters"], est["gradients"], est["optimizer"],
-                     est["unsharded_parameters"] + est["unsharded_gradients"],
-                     est["activations_layers"] + est["activations_head"], est["peak"]]
+                     est["gathered_parameters"] + est["unsharded_gradients"],
+                     est["activations_kept"] + est["activations_recomputed"] + est["activations_head"], est["peak"]]
             peak_at = next(label for key, label in PEAK_MOMENTS.items() if est[key] == est["peak"])
             verdict = "yes" if fits(est["peak"], args.gpu_memory_gib) else "no"
             lines.append(f"| {gpus} | {strategy} | " + " | ".join(f"{c / GiB:.1f}" for c in cells)
@@ -382,52 +495,72 @@ def table(shape, source, args):
     return "\n".join(lines)
 
 
-def parse_arguments(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     epilog="The formulas: 04_fsdp/MEMORY.md, or the top of this file.",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_flag(parser, "model", default="codellama/CodeLlama-7b-hf",
-             help="local directory with config.json, or a Hugging Face id in the local cache")
-    add_flag(parser, "config", default=None, help="path to a config.json (instead of --model)")
-    add_flag(parser, "gpus_per_node", type=int, default=4, help="GPUs (ranks) per node")
-    add_flag(parser, "nodes", type=int, default=1, help="nodes")
-    add_flag(parser, "sharding_strategy", choices=STRATEGIES, default="FULL_SHARD",
-             help="FULL_SHARD = ZeRO-3, SHARD_GRAD_OP = ZeRO-2 (no re-shard after forward), "
-                  "HYBRID_SHARD = shard in a node, replicate across nodes, NO_SHARD = replicate (DDP)")
-    add_flag(parser, "shard_group_size", type=int, default=None,
-             help="HYBRID_SHARD: GPUs per shard group (default: --gpus_per_node), as in train.py")
-    add_flag(parser, "precision", choices=list(COMPUTE_BYTES), default="bf16",
-             help="compute dtype (MixedPrecisionPolicy param_dtype); weights, grads and AdamW stay fp32")
-    add_flag(parser, "max_seq_length", type=int, default=4096, help="tokens per row")
-    add_flag(parser, "batch_size_per_device", type=int, default=1, help="rows per forward pass on each GPU")
-    add_flag(parser, "gradient_accumulation_steps", type=int, default=1,
-             help="micro-batches per optimizer step: above 1, gradients stay on the GPU through forward")
-    add_flag(parser, "gradient_checkpointing", action="store_true", help="activation checkpointing per decoder layer")
-    add_flag(parser, "cpu_offload", action="store_true", help="FSDP2 CPUOffloadPolicy: sharded state in host RAM")
-    add_flag(parser, "attention", choices=["sdpa", "eager"], default="sdpa",
-             help="sdpa (the default; flash-style kernels keep no s x s scores) or eager")
-    add_flag(parser, "gpu_memory_gib", type=float, default=80.0, help="memory of one GPU")
-    add_flag(parser, "table", action="store_true", help="markdown table: 1/2/4/8 GPUs x each strategy")
-    return parser.parse_args(argv)
+def add_job_options(parser):
+    """The options that describe a job, named as the training scripts name them (shared with check_plan.py)."""
+    parser.add("model", default="codellama/CodeLlama-7b-hf",
+               help="local directory with config.json, a config.json, or a Hugging Face id in the local cache")
+    parser.add("gpus_per_node", type=int, default=4, help="GPUs (ranks) per node")
+    parser.add("nodes", type=int, default=1, help="nodes")
+    parser.add("sharding_strategy", choices=STRATEGIES, default="FULL_SHARD",
+               help="FULL_SHARD = ZeRO-3, SHARD_GRAD_OP = ZeRO-2 (no re-shard after forward), "
+                    "HYBRID_SHARD = shard in a node, replicate across nodes, NO_SHARD = replicate (DDP)")
+    parser.add("shard_group_size", type=int, default=None,
+               help="HYBRID_SHARD: GPUs per shard group (default: --gpus_per_node), as in train.py")
+    parser.add("precision", choices=list(COMPUTE_BYTES), default="bf16",
+               help="compute dtype (MixedPrecisionPolicy param_dtype); weights, grads and AdamW stay fp32")
+    parser.add("max_seq_length", type=int, default=4096, help="tokens per row")
+    parser.add("batch_size_per_device", type=int, default=1, help="rows per forward pass on each GPU")
+    parser.add("total_batch_size", type=int, default=None,
+               help="rows per optimiser step over all GPUs (default: one micro-batch per GPU, no accumulation)")
+    parser.add("gradient_checkpointing", action="store_true", help="activation checkpointing per decoder layer")
+    parser.add("cpu_offload", action="store_true", help="FSDP2 CPUOffloadPolicy: sharded state in host RAM")
+    parser.add("accumulate_unsharded", action="store_true",
+               help="keep gathered weights and whole fp32 gradients between micro-batches, as train.py's option")
+    parser.add("lora", action="store_true", help="step 5: LoRA adapters on a frozen model")
+    parser.add("lora_rank", type=int, default=LORA_RANK, help="with --lora: rank r of the adapters")
+    parser.add("lora_target_modules", default=LORA_TARGETS, help="with --lora: linear layers that get adapters")
+    parser.add("gpu_memory_gib", type=float, default=None,
+               help="memory of one GPU (default: this machine's GPU, else 80)")
 
 
-def check_arguments(args):
-    for name in ("gpus_per_node", "nodes", "max_seq_length", "batch_size_per_device", "gradient_accumulation_steps"):
+def check_job_options(args):
+    """Refuse what cannot be a job; fill in the defaults that depend on other options."""
+    for name in ("gpus_per_node", "nodes", "max_seq_length", "batch_size_per_device", "lora_rank"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name} must be at least 1 (got {getattr(args, name)})")
-    if args.shard_group_size is not None:
-        gpus = args.gpus_per_node * args.nodes
-        if args.shard_group_size < 1 or gpus % args.shard_group_size:
-            raise UserError(f"--shard_group_size {args.shard_group_size} does not divide the {gpus} GPUs")
+    gpus = args.gpus_per_node * args.nodes
+    if args.shard_group_size is not None and (args.shard_group_size < 1 or gpus % args.shard_group_size):
+        raise UserError(f"--shard_group_size {args.shard_group_size} does not divide the {gpus} GPUs")
+    if args.total_batch_size is not None:  # default: one micro-batch per GPU
+        gradient_accumulation_steps(args.total_batch_size, args.batch_size_per_device, gpus)  # refuses a bad split
+    args.lora_target_modules = [name.strip() for name in args.lora_target_modules.split(",") if name.strip()]
+    if not args.lora_target_modules:
+        raise UserError("--lora_target_modules names no layer")
+    if args.gpu_memory_gib is None:
+        args.gpu_memory_gib = gpu_memory_default()
     if not args.gpu_memory_gib > 0:
         raise UserError(f"--gpu_memory_gib must be positive (got {args.gpu_memory_gib:g})")
 
 
+def parse_arguments(argv=None):
+    parser = Parser(__doc__.split("\n\n")[0])
+    parser.epilog = "The formulas: 04_fsdp/MEMORY.md, or the top of this file."
+    add_job_options(parser)
+    parser.add("qlora", action="store_true", help="with --lora: the frozen linear layers stored in 4 bits (NF4)")
+    parser.add("attention", choices=["sdpa", "eager"], default="sdpa",
+               help="sdpa (the default; flash-style kernels keep no s x s scores) or eager")
+    parser.add("table", action="store_true", help="markdown table: 1/2/4/8 GPUs x each strategy")
+    args = parser.parse_args(argv)
+    check_job_options(args)
+    if args.qlora and not args.lora:
+        raise UserError("--qlora is LoRA over a 4-bit model: add --lora")
+    return args
+
+
 def main(argv=None):
     args = parse_arguments(argv)
-    check_arguments(args)
-    config, source = load_config(args.model, args.config)
-    shape = model_shape(config, args.config or args.model)
+    config, source = load_config(args.model)
+    shape = model_shape(config, args.model)
     print(table(shape, source, args) if args.table else report(shape, source, args))
 
 

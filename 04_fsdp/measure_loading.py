@@ -1,5 +1,5 @@
 """Peak host memory (RSS) per rank while the model is loaded and sharded: every rank loading the
-model (the naive way), or rank 0 loading it and broadcasting (train.py's load_sharded_model).
+model (the naive way), or rank 0 loading it and broadcasting (common/sharded_loading.py, as train.py does).
 
     python 04_fsdp/measure_loading.py --ranks 2 4      # a random 270M-parameter Llama (1 GiB in fp32)
     python 04_fsdp/measure_loading.py --model DIR      # or a model of your own
@@ -11,7 +11,6 @@ current RSS just before the load.
 """
 import argparse
 import gc
-import importlib.util
 import json
 import os
 import re
@@ -19,9 +18,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from types import SimpleNamespace
 
-HERE = Path(__file__).resolve().parent
 METHODS = {"every_rank": "every rank loads the model", "rank0_broadcast": "rank 0 loads, broadcasts (train.py)"}
 
 
@@ -35,10 +32,12 @@ def measure_one_rank(method, model_dir):
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
-    from transformers import AutoConfig, AutoModelForCausalLM
-    spec = importlib.util.spec_from_file_location("fsdp_train", HERE / "train.py")
-    train = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train)
+    from transformers import AutoModelForCausalLM
+
+    from common.model import load_config, load_model
+    from common.sharded_loading import load_sharded_model
+    from common.steps import load_step
+    train = load_step("fsdp")
 
     dist.init_process_group(backend="gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -47,18 +46,17 @@ def measure_one_rank(method, model_dir):
 
     def shard(model):
         train.shard_model(model, mesh, "FULL_SHARD", MixedPrecisionPolicy(), OffloadPolicy())
+    config = load_config(model_dir)
     with torch.device("meta"):  # import the model's code now, so that it does not count as loading
-        AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+        AutoModelForCausalLM.from_config(config)
     dist.barrier()
     before = memory_mib("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak to the current RSS
     if method == "every_rank":
-        model = train.load_model(model_dir)
+        model = load_model(model_dir)
         shard(model)
     else:
-        model = train.load_sharded_model(SimpleNamespace(model=model_dir, trust_remote_code=False, random_init=False,
-                                                         gradient_checkpointing=False, lora=False),
-                                         rank, device, shard)
+        model = load_sharded_model(model_dir, config, rank, device, shard)
     peak = memory_mib("VmHWM")
     shard_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # DTensor: the full size

@@ -79,11 +79,11 @@ def decoder_layers(model):
 def shard_model(model, mesh, strategy, mp_policy, offload_policy):
     """FSDP by hand, bottom-up: every decoder layer becomes one unit whose weights are
     all-gathered just before it runs and freed right after; then the root takes what is left
-    (embeddings, final norm, lm_head). One unit for the whole model would gather it all at once."""
-    options = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy,
-                   reshard_after_forward=strategy != "SHARD_GRAD_OP")
+    (embeddings, final norm, lm_head), which FSDP keeps gathered from forward to backward, as
+    they are needed at both ends. One unit for the whole model would gather it all at once."""
+    options = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     for layer in decoder_layers(model):
-        fully_shard(layer, **options)
+        fully_shard(layer, reshard_after_forward=strategy != "SHARD_GRAD_OP", **options)
     fully_shard(model, **options)
 
 
@@ -193,6 +193,8 @@ def main():
                                    trust_remote_code=args.trust_remote_code)
     model_flops = flops_per_token(model, args.max_seq_length)  # for MFU
     autocast = nullcontext()  # FSDP casts the weights; no autocast on top
+    if args.accumulate_unsharded and accumulation > 1:  # gather each layer once per optimiser step,
+        model.set_reshard_after_forward(False)  # keep it until the last micro-batch's backward
 
     optimizer = make_optimizer(model, args)  # after sharding; the trainable parameters: the adapters
     scheduler = make_scheduler(optimizer, args)
@@ -294,14 +296,12 @@ def main():
 
         step_loss = torch.zeros((), device=device)
         for i, batch in enumerate(micro_batches):
-            # By default FSDP reduce-scatters after every micro-batch, so gradients stay sharded.
-            # --accumulate_unsharded does what DDP's no_sync does: until the last micro-batch,
-            # keep the gathered weights and the full gradients, and communicate only once.
+            # FSDP reduce-scatters after each micro-batch, so gradients stay sharded; like DDP's no_sync,
+            # --accumulate_unsharded keeps full gradients (and gathered weights) and communicates once.
             if args.accumulate_unsharded:
-                keep = i < len(micro_batches) - 1  # not yet the last micro-batch
-                model.set_requires_gradient_sync(not keep)
-                model.set_reshard_after_forward(not keep and args.sharding_strategy != "SHARD_GRAD_OP")
-                model.set_reshard_after_backward(not keep)
+                last = i == len(micro_batches) - 1
+                model.set_requires_gradient_sync(last)
+                model.set_reshard_after_backward(last)
             with autocast:
                 loss = loss_sum(model, batch)
             # FSDP averages gradients over ranks; × world_size turns that average into the sum.

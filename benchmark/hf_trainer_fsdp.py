@@ -4,7 +4,10 @@ transformer_layer_cls_to_wrap), launched with torchrun).
 
     torchrun --nproc-per-node 2 benchmark/hf_trainer_fsdp.py --output_dir runs/hf_trainer
 
-Same model, same games, same global batch of rows, AdamW settings and schedule as 04_fsdp.
+Same model, same games, same global batch of rows (--total_batch_size, split as the step scripts
+split it), AdamW settings and schedule as 04_fsdp. With gradient accumulation the Trainer skips
+the reduce-scatter on all but the last micro-batch (accelerate's no_sync calls FSDP2's
+set_requires_gradient_sync(False)) but still gathers the weights for every micro-batch.
 By default the data is prepared as the SageMaker examples do: one game per row, padded per
 micro-batch (they tokenize each example and pad; they do not pack). `--packing` feeds the
 Trainer 04_fsdp's packed rows instead, which leaves only the training loops to compare. It
@@ -12,41 +15,40 @@ writes metrics.jsonl and summary.json with the same fields as the step scripts, 
 benchmark/run.py reads both the same way. Tokens are counted the same way too: loss-bearing
 tokens only (non-padding tokens minus each row's first, which nothing predicts).
 """
-import argparse
 import functools
 import json
 import os
 import resource
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared `common` package
+import torch
+import torch.distributed as dist
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from common.data import collate, load_rows  # noqa: E402
-from common.errors import exit_on_user_error  # noqa: E402
-from common.train_setup import DEMO_DIR, add_flag, load_model, load_tokenizer  # noqa: E402
-
-from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin  # noqa: E402
-from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+from common.arguments import DEMO_DIR, Parser
+from common.batch import gradient_accumulation_steps
+from common.data import collate
+from common.errors import exit_on_user_error
+from common.model import load_config, load_model, load_tokenizer
+from common.prepare_data import prepared_rows
 
 
 def parse_arguments():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_flag(parser, "model", default=str(DEMO_DIR / "model"))
-    add_flag(parser, "data_dir", default=str(DEMO_DIR / "data"))
-    add_flag(parser, "output_dir", required=True)
-    add_flag(parser, "batch_size_per_device", type=int, default=4)
-    add_flag(parser, "gradient_accumulation_steps", type=int, default=1)
-    add_flag(parser, "max_steps", type=int, default=100)
-    add_flag(parser, "learning_rate", type=float, default=1e-3)
-    add_flag(parser, "max_seq_length", type=int, default=256)
-    add_flag(parser, "seed", type=int, default=0)
-    add_flag(parser, "packing", action="store_true", help="04_fsdp's packed rows instead of one padded game per row")
+    parser = Parser(__doc__.split("\n\n")[0])
+    parser.add("model", default=str(DEMO_DIR / "model"))
+    parser.add("data_dir", default=str(DEMO_DIR / "data"))
+    parser.add("prepared_dir", default=None, help="where the tokenized games are kept (as the step scripts)")
+    parser.add("output_dir", required=True)
+    parser.add("total_batch_size", type=int, default=16, help="rows per optimiser step, over all ranks")
+    parser.add("batch_size_per_device", type=int, default=4,
+               help="rows per forward pass on each rank; the gradient accumulation makes up the rest")
+    parser.add("max_steps", type=int, default=100)
+    parser.add("learning_rate", type=float, default=1e-3)
+    parser.add("max_seq_length", type=int, default=256)
+    parser.add("seed", type=int, default=0)
+    parser.add("packing", action="store_true", help="04_fsdp's packed rows instead of one padded game per row")
     return parser.parse_args()
 
 
@@ -56,17 +58,18 @@ def main():
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
 
-    tokenizer = load_tokenizer(args.model)
+    # The same batch contract as the step scripts: total = per device × ranks × accumulation.
+    accumulation = gradient_accumulation_steps(args.total_batch_size, args.batch_size_per_device, world_size)
+    tokenizer = load_tokenizer(args.model, load_config(args.model))
     model = load_model(args.model)
-    rows, _ = load_rows(Path(args.data_dir) / "train.jsonl", tokenizer, args.max_seq_length,
-                        args.packing, Path(args.data_dir) / "tokenized")
+    rows = prepared_rows(args.data_dir, "train", tokenizer, args.max_seq_length, args.packing, args.prepared_dir)
     # Each micro-batch padded to its longest row; padding gets no attention and no loss.
     collator = functools.partial(collate, pad_id=tokenizer.pad_token_id)
 
     training = TrainingArguments(
         output_dir=str(output_dir / "trainer"), use_cpu=not torch.cuda.is_available(),
         per_device_train_batch_size=args.batch_size_per_device,
-        gradient_accumulation_steps=args.gradient_accumulation_steps, max_steps=args.max_steps,
+        gradient_accumulation_steps=accumulation, max_steps=args.max_steps,
         # the step scripts' optimiser and schedule: AdamW (0.9, 0.95), clip at 1, 10% linear
         # warm-up, cosine decay to 10% of the peak
         learning_rate=args.learning_rate, adam_beta1=0.9, adam_beta2=0.95, weight_decay=0.0,
@@ -78,7 +81,7 @@ def main():
         # As the SageMaker examples: FSDP through accelerate, one unit per decoder layer.
         # transformers 5 runs FSDP2 (fully_shard) by default; "full_shard" = reshard after forward.
         fsdp="full_shard auto_wrap", fsdp_config={"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
-    clock = StepClock(args.batch_size_per_device * args.gradient_accumulation_steps * world_size)
+    clock = StepClock(args.total_batch_size)
     trainer = CpuFsdpTrainer(model=model, args=training, train_dataset=rows, data_collator=collator,
                              callbacks=[clock])
     trainer.train()
@@ -96,7 +99,7 @@ def main():
                    "tokens_per_s_per_device": round(tokens_per_s / world_size, 1),
                    "step_time_s": round(sum(r["step_time_s"] for r in timed) / len(timed), 4),
                    "peak_rss_mib_per_rank": max(p["peak_rss_mib"] for p in peaks),
-                   "packing": args.packing,
+                   "packing": args.packing, "gradient_accumulation_steps": accumulation,
                    "wrapped_as": type(trainer.model_wrapped).__name__}  # FSDP2 names its class FSDP<model class>
         (output_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         print("hf_trainer_fsdp: " + "  ".join(f"{k}={v}" for k, v in summary.items()), flush=True)

@@ -1,81 +1,146 @@
 """Side-by-side benchmark: one process, DDP, every FSDP strategy, packing on and off, and the
-Hugging Face Trainer with FSDP, all on the built-in tiny default with the same global batch.
+Hugging Face Trainer with FSDP, each at gradient accumulation 1 and 2 on the same global batch, on
+the built-in tiny default and on the same shape with a 20,480-token vocabulary.
 
-    .venv/bin/python benchmark/run.py            # everything, about 10 minutes on 2 CPU cores
-    .venv/bin/python benchmark/run.py --quick    # a few steps of the three the targets need (the test)
+    .venv/bin/python benchmark/run.py            # everything, about 40 minutes on 2 idle CPU cores
+    .venv/bin/python benchmark/run.py --quick    # a few steps of some runs the targets compare (the test)
 
 Each configuration runs the real script (02/03/04 train.py, benchmark/hf_trainer_fsdp.py) with
 python or torchrun, one thread per rank, into its own folder under --runs_dir, and is read back
-from its summary.json and metrics.jsonl. The per-rank bytes of parameters, gradients and
-optimizer state are measured by benchmark/state_bytes.py. Writes results.md, results.json,
-tokens_per_s.png and memory.png into --out, and checks the targets.
+from its summary.json and metrics.jsonl. benchmark/state_bytes.py measures the per-rank bytes of
+parameters, gradients and optimizer state; benchmark/accumulation_bytes.py what a rank holds
+between micro-batches, with and without 04_fsdp's --accumulate_unsharded. Writes results.md,
+results.json, tokens_per_s.png and memory.png into --out, and checks the targets.
 """
-import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import NamedTuple
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # the shared `common` package
-
-from common.errors import UserError, exit_on_user_error  # noqa: E402
-from common.train_setup import DEMO_DIR, DOWNLOAD_HINT, add_flag  # noqa: E402
+from common.arguments import DEMO_DIR, REPO, Parser
+from common.errors import UserError, exit_on_user_error
+from common.model import DEMO_DOWNLOAD
 
 SCRIPTS = {"single": "02_singlegpu/train.py", "ddp": "03_ddp/train.py", "fsdp": "04_fsdp/train.py",
            "hf_trainer": "benchmark/hf_trainer_fsdp.py"}
-GLOBAL_BATCH_ROWS = 16  # rows per optimiser step, whatever the rank count (as demo.sh)
+MODELS = ["built-in", "wide vocab"]  # the demo model; its shape with WIDE_VOCAB tokens
+WIDE_VOCAB = 20_480
+ACCUMULATIONS = [1, 2]
+GLOBAL_BATCH_ROWS = 16  # rows per optimiser step, whatever the ranks and the accumulation (as demo.sh)
 SEQ_LENGTH = 128
 LEARNING_RATE = 3e-3
-FULL_STEPS, QUICK_STEPS = 40, 4
+FULL_STEPS, QUICK_STEPS = 20, 3
 ROUNDS = 2  # of the runs the targets compare (the full benchmark)
+QUICK_BLOCKS = [("built-in", 1), ("wide vocab", 2)]  # --quick: each model and each accumulation once
+UNSHARDED = "--accumulate_unsharded"
 
 
-def configurations(quick):
-    """The runs the targets compare, and the others: lists of (name, script, ranks, extra
-    arguments). The per-device batch is the global batch split over the ranks; one process
-    accumulates 2 micro-batches of 8."""
-    single = ("single", "single", 1, ["--batch_size_per_device", 8, "--gradient_accumulation_steps", 2])
+class Run(NamedTuple):
+    model: str  # one of MODELS
+    accumulation: int
+    name: str
+    script: str  # a key of SCRIPTS
+    ranks: int
+    extra: list  # arguments of this configuration
 
+
+def block(model, accumulation):
+    """The runs of one model at one accumulation: (those the targets compare, the others). The
+    rows per device follow from the global batch, the ranks and the accumulation."""
     def on(ranks, script, name, *extra):
-        return (name, script, ranks, ["--batch_size_per_device", GLOBAL_BATCH_ROWS // ranks, *extra])
+        per_device = GLOBAL_BATCH_ROWS // (ranks * accumulation)
+        return Run(model, accumulation, name, script, ranks,
+                   ["--total_batch_size", GLOBAL_BATCH_ROWS, "--batch_size_per_device", per_device, *extra])
 
     def fsdp(ranks, strategy, *extra):
         name = f"fsdp {strategy} x{ranks}" + (" no packing" if "--no_packing" in extra else "")
-        return on(ranks, "fsdp", name, "--sharding_strategy", strategy, *extra)
+        return on(ranks, "fsdp", name + (f" {UNSHARDED}" if UNSHARDED in extra else ""),
+                  "--sharding_strategy", strategy, *extra)
 
-    # The peer baseline as the SageMaker examples prepare data (one padded game per row), and the
-    # Trainer fed our packed rows: the first is the target's yardstick, the second isolates the loop.
-    trainers = [on(2, "hf_trainer", "hf_trainer fsdp x2"), on(2, "hf_trainer", "hf_trainer fsdp x2 packed", "--packing")]
-    compared = [on(2, "ddp", "ddp x2"), fsdp(2, "FULL_SHARD"), *trainers]
-    if quick:
-        return compared, []
-    return compared, [
-            single, fsdp(2, "SHARD_GRAD_OP"), fsdp(2, "NO_SHARD"), fsdp(2, "FULL_SHARD", "--no_packing"),
-            # HYBRID_SHARD on 2 ranks of one node is one shard group of 2: FULL_SHARD. On 4: 2 x 2.
-            on(4, "ddp", "ddp x4"), fsdp(4, "FULL_SHARD"), fsdp(4, "SHARD_GRAD_OP"),
-            fsdp(4, "HYBRID_SHARD", "--shard_group_size", 2), fsdp(4, "NO_SHARD")]
+    compared = [on(2, "ddp", "ddp x2"), fsdp(2, "FULL_SHARD"),
+                # Both sides of the trade-off: communicate once per optimiser step, at a memory cost.
+                *([fsdp(2, "FULL_SHARD", UNSHARDED)] if accumulation > 1 else []),
+                # The peer baseline as the SageMaker examples prepare data (one padded game per row), and
+                # the Trainer fed our packed rows: the first is the target's yardstick, the second isolates
+                # the training loops.
+                on(2, "hf_trainer", "hf_trainer fsdp x2"),
+                on(2, "hf_trainer", "hf_trainer fsdp x2 packed", "--packing")]
+    others = [on(1, "single", "single"), fsdp(2, "SHARD_GRAD_OP"), fsdp(2, "NO_SHARD"),
+              fsdp(2, "FULL_SHARD", "--no_packing"),
+              # HYBRID_SHARD on 2 ranks of one node is one shard group of 2: FULL_SHARD. On 4: 2 x 2.
+              on(4, "ddp", "ddp x4"), fsdp(4, "FULL_SHARD"), fsdp(4, "SHARD_GRAD_OP"),
+              fsdp(4, "HYBRID_SHARD", "--shard_group_size", 2), fsdp(4, "NO_SHARD")]
+    return compared, others
 
 
-def run_compared(compared, args, steps, rounds):
+def configurations(quick):
+    """(the runs the targets compare, the others), over every model and accumulation; with
+    `quick`, only the runs the targets compare, of QUICK_BLOCKS."""
+    compared, others = [], []
+    for model in MODELS:
+        for accumulation in ACCUMULATIONS:
+            if quick and (model, accumulation) not in QUICK_BLOCKS:
+                continue
+            runs = block(model, accumulation)
+            compared += runs[0]
+            others += runs[1]
+    return compared, [] if quick else others
+
+
+def build_wide_vocab_model(demo_model, folder):
+    """The demo model's shape with a WIDE_VOCAB-token vocabulary: the demo's tokens keep their ids
+    (the games tokenize exactly as before) and unused ones fill the rest; random weights, seed 0.
+    Offline and the same every time. Embeddings and output layer then hold three quarters of the
+    parameters (in the demo model a quarter), as in small models with a real tokenizer: the root
+    unit that FSDP gathers around them carries most of the communication."""
+    import torch
+    from transformers import AutoConfig, LlamaForCausalLM
+    tokenizer = json.loads((Path(demo_model) / "tokenizer.json").read_text())
+    vocab = tokenizer["model"].get("vocab")
+    if not isinstance(vocab, dict):
+        raise UserError(f"{demo_model}/tokenizer.json has no word-to-id vocabulary to widen: the wide-vocab model "
+                        "is built from the demo tokenizer")
+    vocab.update({f"<unused{i}>": i for i in range(len(vocab), WIDE_VOCAB)})
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+    shutil.copy(Path(demo_model) / "tokenizer_config.json", folder)
+    config = AutoConfig.from_pretrained(demo_model)
+    config.vocab_size = len(vocab)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def parameter_count(model_dir):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    with torch.device("meta"):  # shapes only
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return sum(p.numel() for p in model.parameters()), model.config.vocab_size
+
+
+def run_compared(compared, models, args, steps, rounds):
     """The runs the targets compare, one after another, `rounds` times over; each keeps its fastest
     round. On a shared machine other work only ever slows a run down, and interleaving gives every
     configuration the same chances."""
-    tries = [[run_configuration(*config, args, steps) for config in compared] for _ in range(rounds)]
+    tries = [[run_configuration(run, models, args, steps) for run in compared] for _ in range(rounds)]
     return [{**max(runs, key=lambda row: row["tokens_per_s"]), "tokens_per_s_rounds": [r["tokens_per_s"] for r in runs]}
             for runs in zip(*tries)]
 
 
 def launch(script, ranks, arguments, log_path, timeout):
-    """Run a script as a user would: python for one process, torchrun for several."""
-    if ranks == 1:
+    """Run a script as a user would: python for step 2, the kit's torchrun for the rest (even on
+    one rank: they need its rendezvous), as slurm/step_launcher.py does."""
+    if script == SCRIPTS["single"]:
         command = [sys.executable, str(REPO / script)]
     else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+        command = [sys.executable, "-m", "common.torchrun", "--standalone", f"--nproc-per-node={ranks}",
                    str(REPO / script)]
     # One thread per rank: ranks never fight over cores, and the comparison is about the parallelism.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -92,18 +157,21 @@ def launch(script, ranks, arguments, log_path, timeout):
     return time.perf_counter() - started
 
 
-def run_configuration(name, script, ranks, extra, args, steps):
-    output_dir = Path(args.runs_dir) / name.replace(" ", "_")
+def run_configuration(run, models, args, steps):
+    folder = f"{run.model} acc{run.accumulation} {run.name}".replace(" --", " ").replace(" ", "_")
+    output_dir = Path(args.runs_dir) / folder
     output_dir.mkdir(parents=True, exist_ok=True)
-    arguments = ["--model", args.model, "--data_dir", args.data_dir, "--output_dir", output_dir,
-                 "--max_steps", steps, "--max_seq_length", SEQ_LENGTH, "--learning_rate", LEARNING_RATE, *extra]
-    if script != "hf_trainer":  # the step scripts evaluate; keep that small, it is not timed
+    arguments = ["--model", models[run.model], "--data_dir", args.data_dir, "--output_dir", output_dir,
+                 "--max_steps", steps, "--max_seq_length", SEQ_LENGTH, "--learning_rate", LEARNING_RATE, *run.extra]
+    if run.script != "hf_trainer":  # the step scripts evaluate; keep that small, it is not timed
         arguments += ["--eval_every", 0, "--eval_rows", 16, "--eval_games", 16, "--overwrite"]
-    print(f"== {name}: {SCRIPTS[script]} on {ranks} rank(s)", flush=True)
-    wall = launch(SCRIPTS[script], ranks, arguments, output_dir / "log.txt", args.timeout)
+    print(f"== {run.model}, accumulation {run.accumulation}, {run.name}: {SCRIPTS[run.script]} on {run.ranks} "
+          "rank(s)", flush=True)
+    wall = launch(SCRIPTS[run.script], run.ranks, arguments, output_dir / "log.txt", args.timeout)
     summary = json.loads((output_dir / "summary.json").read_text())
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
-    row = {"name": name, "script": SCRIPTS[script], "ranks": ranks, "arguments": [str(a) for a in extra],
+    row = {"model": run.model, "accumulation": run.accumulation, "name": run.name, "script": SCRIPTS[run.script],
+           "ranks": run.ranks, "arguments": [str(a) for a in run.extra], "output_dir": str(output_dir),
            "steps": len(records), "tokens_per_step": round(sum(r["tokens"] for r in records) / len(records)),
            "tokens_per_s": summary["tokens_per_s"], "tokens_per_s_per_rank": summary["tokens_per_s_per_device"],
            "step_time_s": summary["step_time_s"], "peak_rss_mib_per_rank": summary["peak_rss_mib_per_rank"],
@@ -113,136 +181,223 @@ def run_configuration(name, script, ranks, extra, args, steps):
     return row
 
 
-def measure_state_bytes(ranks, args):
-    """{configuration: max over ranks of parameter + gradient + optimizer bytes} on `ranks` ranks."""
-    out = Path(args.runs_dir) / f"state_bytes_x{ranks}.json"
-    print(f"== per-rank parameter, gradient and optimizer bytes on {ranks} ranks", flush=True)
-    launch("benchmark/state_bytes.py", ranks, ["--model", args.model, "--out", out],
-           Path(args.runs_dir) / f"state_bytes_x{ranks}.log", args.timeout)
-    return {name: max(parts["total"]) for name, parts in json.loads(out.read_text())["bytes_per_rank"].items()}
+def measure_bytes(helper, model, model_dir, ranks, args):
+    """Run a helper (state_bytes.py or accumulation_bytes.py) on `ranks` ranks:
+    {configuration: max over ranks of each part's bytes}."""
+    stem = f"{Path(helper).stem}_{model.replace(' ', '_')}_x{ranks}"
+    out = Path(args.runs_dir) / f"{stem}.json"
+    print(f"== {model}: {helper} on {ranks} ranks", flush=True)
+    launch(helper, ranks, ["--model", model_dir, "--out", out], Path(args.runs_dir) / f"{stem}.log", args.timeout)
+    return {name: {part: max(values) for part, values in parts.items()}
+            for name, parts in json.loads(out.read_text())["bytes_per_rank"].items()}
 
 
 def state_key(row):
-    """Which state_bytes.py measurement belongs to a configuration: (ranks, DDP or strategy)."""
+    """Which state_bytes.py measurement belongs to a run: DDP or its strategy (None: not measured)."""
     if "ddp" in row["script"]:
-        return row["ranks"], "DDP"
+        return "DDP"
     if "fsdp/train" in row["script"]:
-        strategy = row["arguments"][row["arguments"].index("--sharding_strategy") + 1]
-        return row["ranks"], strategy
+        return row["arguments"][row["arguments"].index("--sharding_strategy") + 1]
     return None
 
 
+def ratio_target(text, needed, numerator, denominator):
+    """(text, ratio, needed, met) of numerator ÷ denominator tokens/s; None if a run is missing."""
+    if not (numerator and denominator):
+        return None
+    ratio = numerator["tokens_per_s"] / denominator["tokens_per_s"]
+    return text, ratio, f">= {needed}" if needed else "—", ratio >= needed if needed else None
+
+
 def check_targets(rows, state_bytes):
-    """The issue's targets, from this run's figures: (description, ratio, needed, met)."""
-    by_name = {row["name"]: row for row in rows}
+    """The issue's targets for each model and accumulation, from this run's figures:
+    [{"target", "model", "accumulation", "ratio", "needed", "met"}]."""
+    by_key = {(row["model"], row["accumulation"], row["name"]): row for row in rows}
     targets = []
-    full, ddp, hf = by_name.get("fsdp FULL_SHARD x2"), by_name.get("ddp x2"), by_name.get("hf_trainer fsdp x2")
-    if full and ddp:
-        ratio = full["tokens_per_s"] / ddp["tokens_per_s"]
-        targets.append(("FSDP FULL_SHARD tokens/s ≥ 0.9 × DDP's, 2 ranks", ratio, ">= 0.9", ratio >= 0.9))
-    if full and hf:
-        ratio = full["tokens_per_s"] / hf["tokens_per_s"]
-        targets.append(("FSDP FULL_SHARD useful tokens/s ≥ 1.3 × the HF Trainer FSDP baseline's "
-                        "(SageMaker data preparation: one padded game per row), 2 ranks", ratio, ">= 1.3", ratio >= 1.3))
-    if full and (packed := by_name.get("hf_trainer fsdp x2 packed")):
-        ratio = full["tokens_per_s"] / packed["tokens_per_s"]  # no target: where the gain comes from
-        targets.append(("for information: FSDP FULL_SHARD tokens/s ÷ the HF Trainer's on the same packed rows "
-                        "(the training loops alone), 2 ranks", ratio, "—", None))
-    for ranks, measured in sorted(state_bytes.items()):
-        ratio = measured["FULL_SHARD"] / (measured["DDP"] / ranks)
-        targets.append((f"FULL_SHARD parameter+gradient+optimizer bytes per rank = 1/{ranks} of DDP's (±2%), "
-                        f"{ranks} ranks", ratio, "0.98 to 1.02", abs(ratio - 1) <= 0.02))
-    return [{"target": text, "ratio": round(ratio, 3), "needed": needed, "met": met}
-            for text, ratio, needed, met in targets]
+    for model in MODELS:
+        for accumulation in ACCUMULATIONS:
+            def get(name):
+                return by_key.get((model, accumulation, name))
+            ddp, hf, packed = get("ddp x2"), get("hf_trainer fsdp x2"), get("hf_trainer fsdp x2 packed")
+            for fsdp_name in ("fsdp FULL_SHARD x2", f"fsdp FULL_SHARD x2 {UNSHARDED}"):
+                full = get(fsdp_name)
+                label = "FSDP FULL_SHARD" + (f" {UNSHARDED}" if UNSHARDED in fsdp_name else "")
+                found = [
+                    ratio_target(f"{label} tokens/s ≥ 0.9 × DDP's, 2 ranks", 0.9, full, ddp),
+                    ratio_target(f"{label} useful tokens/s ≥ 1.3 × the HF Trainer FSDP baseline's (SageMaker data "
+                                 "preparation: one padded game per row), 2 ranks", 1.3, full, hf),
+                    # no target: where the gain over the Trainer comes from
+                    ratio_target(f"for information: {label} tokens/s ÷ the HF Trainer's on the same packed rows "
+                                 "(the training loops alone), 2 ranks", None, full, packed)]
+                targets += [(model, accumulation, *found) for found in found if found]
+    for model in MODELS:
+        for ranks, measured in sorted(state_bytes.get(model, {}).items()):
+            ratio = measured["FULL_SHARD"]["total"] / (measured["DDP"]["total"] / ranks)
+            targets.append((model, None, f"FULL_SHARD parameter+gradient+optimizer bytes per rank = 1/{ranks} of "
+                            f"DDP's (±2%), {ranks} ranks", ratio, "0.98 to 1.02", abs(ratio - 1) <= 0.02))
+    return [{"target": text, "model": model, "accumulation": accumulation, "ratio": round(ratio, 3),
+             "needed": needed, "met": met} for model, accumulation, text, ratio, needed, met in targets]
 
 
 def verdict(target):
     return "—" if target["met"] is None else "met" if target["met"] else "not met"
 
 
+def configuration_names(rows):
+    """(name, ranks) of the configurations that ran, in the order block() lists them."""
+    compared, others = block(MODELS[0], max(ACCUMULATIONS))
+    order = [run.name for run in compared + others]
+    return sorted(dict.fromkeys((row["name"], row["ranks"]) for row in rows), key=lambda key: order.index(key[0]))
+
+
+def columns():
+    """The (model, accumulation) pairs the summary tables have a column for."""
+    return [(model, accumulation) for model in MODELS for accumulation in ACCUMULATIONS]
+
+
 def markdown(results):
+    models = "; ".join(f"{name}: {m['parameters'] / 1e6:.1f}M parameters, {m['vocab_size']:,} tokens"
+                       for name, m in results["models"].items())
+    heading = " | ".join(f"{model}, acc. {accumulation}" for model, accumulation in columns())
     lines = [f"Command: `{results['command']}` ({results['date']}, {results['machine']}; load average "
              f"{results['load_average_before']} before, {results['load_average_after']} after). "
-             f"Every run: {results['global_batch']}, {results['steps']} optimiser steps, one thread per rank; "
-             "tokens/s counts loss-bearing tokens only and leaves out step 1. The first "
-             f"{len(results['compared'])} runs (those the targets compare) ran {results['rounds']} time(s), "
-             "one after another, and show their fastest round (every round is in results.json).",
-             "",
-             "| configuration | script | ranks | tokens/s | tokens/s per rank | useful tokens/step | s/step "
-             "| peak RSS MiB/rank | params+grads+AdamW MiB/rank | final loss |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             f"Models: {models}. Every run: {results['global_batch']}, {results['steps']} optimiser steps, one "
+             "thread per rank; tokens/s counts loss-bearing tokens only and leaves out step 1. The "
+             f"{len(results['compared'])} runs the targets compare ran {results['rounds']} time(s), one after "
+             "another, and show their fastest round (every round is in results.json).",
+             "", "Tokens/s over all ranks (acc.: gradient accumulation steps):", "",
+             f"| configuration | ranks | {heading} |", "|---|---:|" + "---:|" * len(columns())]
+    by_key = {(row["model"], row["accumulation"], row["name"]): row for row in results["runs"]}
+    for name, ranks in configuration_names(results["runs"]):
+        cells = [by_key.get((model, accumulation, name)) for model, accumulation in columns()]
+        lines.append(f"| {name} | {ranks} | " + " | ".join("—" if row is None else str(row["tokens_per_s"])
+                                                          for row in cells) + " |")
+
+    lines += ["", "Targets (ratios from this run; state bytes do not depend on the accumulation):", "",
+              f"| target | needed | {heading} |", "|---|---:|" + "---:|" * len(columns())]
+    by_target = {}
+    for target in results["targets"]:
+        for accumulation in ([target["accumulation"]] if target["accumulation"] else ACCUMULATIONS):
+            by_target.setdefault((target["target"], target["needed"]), {})[(target["model"], accumulation)] = target
+    for (text, needed), cells in by_target.items():
+        lines.append(f"| {text} | {needed} | " + " | ".join(
+            "—" if key not in cells else f"{cells[key]['ratio']}" + ("" if cells[key]["met"] is None
+                                                                    else f" {verdict(cells[key])}")
+            for key in columns()) + " |")
+
+    lines += ["", f"With gradient accumulation {max(ACCUMULATIONS)}, 2 ranks: both sides of `{UNSHARDED}` "
+              "(bytes a rank holds between micro-batches, from benchmark/accumulation_bytes.py: parameters, "
+              "including gathered copies kept, + gradients + AdamW state; DDP with no_sync for comparison):", "",
+              "| model | configuration | tokens/s | ÷ DDP | peak RSS MiB/rank | held between micro-batches MiB/rank "
+              "| of which parameters / gradients / AdamW |", "|---|---|---:|---:|---:|---:|---|"]
+    accumulation = max(ACCUMULATIONS)
+    for model in MODELS:
+        held = results["accumulation_bytes_per_rank"].get(model, {})
+        ddp = by_key.get((model, accumulation, "ddp x2"))
+        for name, measured in (("fsdp FULL_SHARD x2", "FULL_SHARD"),
+                               (f"fsdp FULL_SHARD x2 {UNSHARDED}", f"FULL_SHARD {UNSHARDED}"),
+                               ("ddp x2", "DDP no_sync")):
+            row, parts = by_key.get((model, accumulation, name)), held.get(measured)
+            if row is None:
+                continue
+            ratio = round(row["tokens_per_s"] / ddp["tokens_per_s"], 3) if ddp else "—"
+            split = " / ".join(f"{parts[p] / 2**20:.2f}" for p in ("parameters", "gradients", "optimizer")) \
+                if parts else "—"
+            lines.append(f"| {model} | {name} | {row['tokens_per_s']} | {ratio} | {row['peak_rss_mib_per_rank']} "
+                         f"| {'—' if parts is None else round(parts['total'] / 2**20, 2)} | {split} |")
+
+    lines += ["", "Every run:", "",
+              "| model | acc. | configuration | script | ranks | tokens/s | tokens/s per rank | useful tokens/step "
+              "| s/step | peak RSS MiB/rank | params+grads+AdamW MiB/rank | final loss |",
+              "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in results["runs"]:
         state = row.get("state_mib_per_rank")
-        lines.append(f"| {row['name']} | `{row['script']}` | {row['ranks']} | {row['tokens_per_s']} "
-                     f"| {row['tokens_per_s_per_rank']} | {row['tokens_per_step']} | {row['step_time_s']} "
-                     f"| {row['peak_rss_mib_per_rank']} "
+        lines.append(f"| {row['model']} | {row['accumulation']} | {row['name']} | `{row['script']}` | {row['ranks']} "
+                     f"| {row['tokens_per_s']} | {row['tokens_per_s_per_rank']} | {row['tokens_per_step']} "
+                     f"| {row['step_time_s']} | {row['peak_rss_mib_per_rank']} "
                      f"| {'—' if state is None else state} | {row['final_loss']} |")
-    lines += ["", "Targets (ratios from this run):", "",
-              "| target | ratio | needed | |", "|---|---:|---:|---|"]
-    for target in results["targets"]:
-        lines.append(f"| {target['target']} | {target['ratio']} | {target['needed']} "
-                     f"| {verdict(target)} |")
     return "\n".join(lines) + "\n"
 
 
 def plot(rows, out):
+    """tokens_per_s.png and memory.png: one panel per model, a bar per accumulation."""
     import matplotlib
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    names = [row["name"] for row in rows][::-1]  # first configuration on top
-    rows = rows[::-1]
-    figure, axes = plt.subplots(1, 2, figsize=(12, 0.45 * len(rows) + 1.5), sharey=True)
-    axes[0].barh(names, [row["tokens_per_s"] for row in rows], color="tab:blue")
-    axes[0].set_xlabel("tokens/s (all ranks)")
-    axes[1].barh(names, [row["tokens_per_s_per_rank"] for row in rows], color="tab:cyan")
-    axes[1].set_xlabel("tokens/s per rank")
-    figure.suptitle("Throughput, same global batch (loss-bearing tokens)")
-    figure.tight_layout()
-    figure.savefig(out / "tokens_per_s.png", dpi=100)
-    plt.close(figure)
+    names = [name for name, _ in configuration_names(rows)][::-1]  # first configuration on top
+    by_key = {(row["model"], row["accumulation"], row["name"]): row for row in rows}
+    height = 0.8 / len(ACCUMULATIONS)
 
-    figure, axes = plt.subplots(1, 2, figsize=(12, 0.45 * len(rows) + 1.5), sharey=True)
-    axes[0].barh(names, [row["peak_rss_mib_per_rank"] for row in rows], color="tab:orange")
-    axes[0].set_xlabel("peak RSS per rank, MiB (whole process)")
-    axes[1].barh(names, [row.get("state_mib_per_rank") or 0 for row in rows], color="tab:red")
-    axes[1].set_xlabel("parameters + gradients + AdamW per rank, MiB (0: not measured)")
-    figure.suptitle("Memory per rank")
-    figure.tight_layout()
-    figure.savefig(out / "memory.png", dpi=100)
-    plt.close(figure)
+    def bars(axis, model, value, label):
+        for i, accumulation in enumerate(ACCUMULATIONS):
+            values = [value(by_key[(model, accumulation, name)]) if (model, accumulation, name) in by_key else 0
+                      for name in names]
+            axis.barh([n + (i - (len(ACCUMULATIONS) - 1) / 2) * height for n in range(len(names))], values,
+                      height=height, label=f"accumulation {accumulation}")
+        axis.set_yticks(range(len(names)), names)
+        axis.set_title(model)
+        axis.set_xlabel(label)
+
+    def finish(figure, title, name):
+        figure.suptitle(title)
+        figure.legend(*figure.axes[0].get_legend_handles_labels(), loc="upper center", ncol=len(ACCUMULATIONS),
+                      bbox_to_anchor=(0.5, 0.96))
+        figure.tight_layout(rect=(0, 0, 1, 0.93))
+        figure.savefig(out / name, dpi=100)
+        plt.close(figure)
+
+    size = (6 * len(MODELS), 0.5 * len(names) + 1.5)
+    figure, axes = plt.subplots(1, len(MODELS), figsize=size, sharey=True, squeeze=False)
+    for axis, model in zip(axes[0], MODELS):
+        bars(axis, model, lambda row: row["tokens_per_s"], "tokens/s, all ranks (loss-bearing tokens)")
+    finish(figure, "Throughput, same global batch", "tokens_per_s.png")
+
+    figure, axes = plt.subplots(2, len(MODELS), figsize=(size[0], 2 * size[1]), sharey=True, squeeze=False)
+    for column, model in enumerate(MODELS):
+        bars(axes[0][column], model, lambda row: row["peak_rss_mib_per_rank"], "peak RSS per rank, MiB (whole process)")
+        bars(axes[1][column], model, lambda row: row.get("state_mib_per_rank") or 0,
+             "params + grads + AdamW per rank, MiB (0: not measured)")
+    finish(figure, "Memory per rank", "memory.png")
 
 
 def parse_arguments():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_flag(parser, "quick", action="store_true", help=f"{QUICK_STEPS} steps of DDP, FSDP and the Trainer on 2 ranks")
-    add_flag(parser, "model", default=str(DEMO_DIR / "model"))
-    add_flag(parser, "data_dir", default=str(DEMO_DIR / "data"))
-    add_flag(parser, "runs_dir", default=str(REPO / "runs" / "benchmark"), help="one output folder per configuration")
-    add_flag(parser, "out", default=str(REPO / "benchmark"), help="where results.md/.json and the plots go")
-    add_flag(parser, "timeout", type=int, default=600, help="seconds one configuration may take")
+    parser = Parser(__doc__.split("\n\n")[0])
+    parser.add("quick", action="store_true",
+               help=f"{QUICK_STEPS} steps of the runs the targets compare, once each, for {QUICK_BLOCKS} "
+                    "(model, accumulation) only: the test")
+    parser.add("model", default=str(DEMO_DIR / "model"), help="the built-in model (the wide-vocab one is made from it)")
+    parser.add("data_dir", default=str(DEMO_DIR / "data"))
+    parser.add("runs_dir", default=str(REPO / "runs" / "benchmark"), help="one output folder per configuration")
+    parser.add("out", default=str(REPO / "benchmark"), help="where results.md/.json and the plots go")
+    parser.add("timeout", type=int, default=600, help="seconds one configuration may take")
     return parser.parse_args()
 
 
 def main():
     args = parse_arguments()
     if not (Path(args.model) / "config.json").is_file() or not (Path(args.data_dir) / "train.jsonl").is_file():
-        raise UserError(f"no model in {args.model} or no train.jsonl in {args.data_dir}: run `{DOWNLOAD_HINT}` first")
+        raise UserError(f"no model in {args.model} or no train.jsonl in {args.data_dir}: run `{DEMO_DOWNLOAD}` first")
     steps = QUICK_STEPS if args.quick else FULL_STEPS
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started, load_before = time.perf_counter(), [round(x, 2) for x in os.getloadavg()]
+    models = {"built-in": args.model,
+              "wide vocab": str(build_wide_vocab_model(args.model, Path(args.runs_dir) / "wide_vocab_model"))}
 
     compared, others = configurations(args.quick)
     rounds = 1 if args.quick else ROUNDS
-    rows = run_compared(compared, args, steps, rounds)
-    rows += [run_configuration(*config, args, steps) for config in others]
-    state_bytes = {ranks: measure_state_bytes(ranks, args) for ranks in sorted({r["ranks"] for r in rows} - {1})}
+    rows = run_compared(compared, models, args, steps, rounds)
+    rows += [run_configuration(run, models, args, steps) for run in others]
+    rank_counts = sorted({row["ranks"] for row in rows} - {1})
+    state_bytes = {model: {ranks: measure_bytes("benchmark/state_bytes.py", model, model_dir, ranks, args)
+                           for ranks in rank_counts} for model, model_dir in models.items()}
+    accumulation_bytes = {model: measure_bytes("benchmark/accumulation_bytes.py", model, model_dir, 2, args)
+                          for model, model_dir in models.items()}
     for row in rows:
-        key = state_key(row)
-        if key and key[1] in state_bytes.get(key[0], {}):
-            row["state_mib_per_rank"] = round(state_bytes[key[0]][key[1]] / 2**20, 2)
+        measured = state_bytes[row["model"]].get(row["ranks"], {}).get(state_key(row))
+        if measured:
+            row["state_mib_per_rank"] = round(measured["total"] / 2**20, 2)
 
     import torch
     results = {
@@ -250,9 +405,14 @@ def main():
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}, torch {torch.__version__}",
         "load_average_before": load_before, "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        "models": {name: dict(zip(("parameters", "vocab_size"), parameter_count(path)), path=path)
+                   for name, path in models.items()},
         "global_batch": f"{GLOBAL_BATCH_ROWS} rows x {SEQ_LENGTH} tokens per step", "steps": steps,
-        "compared": [config[0] for config in compared], "rounds": rounds,
-        "runs": rows, "state_bytes_per_rank": {str(k): v for k, v in state_bytes.items()},
+        "compared": [f"{run.model}, accumulation {run.accumulation}, {run.name}" for run in compared],
+        "rounds": rounds, "runs": rows,
+        "state_bytes_per_rank": {model: {str(k): v for k, v in by_ranks.items()}
+                                 for model, by_ranks in state_bytes.items()},
+        "accumulation_bytes_per_rank": accumulation_bytes,
         "targets": check_targets(rows, state_bytes),
         "total_wall_s": round(time.perf_counter() - started, 1)}
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
@@ -260,7 +420,8 @@ def main():
     plot(rows, out)
     print("\n" + markdown(results))
     for target in results["targets"]:
-        print(f"target {'NOT MET' if target['met'] is False else verdict(target)}: {target['target']}: "
+        where = target["model"] + ("" if target["accumulation"] is None else f", accumulation {target['accumulation']}")
+        print(f"target {'NOT MET' if target['met'] is False else verdict(target)}: {target['target']} ({where}): "
               f"ratio {target['ratio']}")
     print(f"wrote {out / 'results.md'}, results.json, tokens_per_s.png, memory.png in {results['total_wall_s']} s")
 

@@ -63,8 +63,8 @@ def source_files(data_dir, split):
     demo = data_dir.resolve() == (Path(__file__).resolve().parents[1] / "demo" / "data")
     command = ("python 01_download/download.py --demo --out demo" if demo
                else f"python 01_download/download.py --out {shlex.quote(str(data_dir.parent))}")
-    raise UserError(f"no {split}.jsonl in {data_dir} (nor {split}/*.parquet): run `{command}` on a login node first, "
-                    "or pass --data_dir")
+    raise UserError(f"no {split}.jsonl in {data_dir}: run `{command}` on a login node first, or pass --data_dir "
+                    f"(the games may also be {split}/*.parquet files there)")
 
 
 def check_parquet_schema(path):
@@ -334,6 +334,14 @@ class TokenRows(torch.utils.data.Dataset):
         if size < self.meta["tokens"] * np.dtype(self.meta["dtype"]).itemsize:
             raise UserError(f"the prepared data in {self.folder} is damaged (tokens.bin is short or missing): "
                             "delete that folder, and it is prepared again")
+        try:  # every file maps as plain numbers of the right count (np.load never unpickles here)
+            self._open()
+            if not self.pack and not (len(self._offsets) == len(self._lengths) == self.meta["rows"]):
+                raise ValueError("offsets.npy and lengths.npy do not match meta.json")
+        except (OSError, ValueError) as err:
+            raise UserError(f"the prepared data in {self.folder} is damaged or not the kit's ({err}): delete that "
+                            "folder, and it is prepared again") from None
+        self._tokens = self._offsets = self._lengths = None  # mapped again where the rows are read
 
     def _open(self):
         self._tokens = np.memmap(self.folder / "tokens.bin", dtype=self.meta["dtype"], mode="r",

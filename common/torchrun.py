@@ -9,18 +9,34 @@ line. This runs torchrun itself (torch.distributed.run) and, when the first rank
 with status 2, leaves that report out and exits with status 2 too. Any other failure (a crash, a
 rank killed by a signal or out of memory) keeps torchrun's full report. Stopped by a signal
 itself (Ctrl-C, Slurm's SIGTERM), torchrun passes SIGTERM on to the ranks, which save a checkpoint
-and say where; its own traceback about the signal is left out. The Slurm templates and submit.py
-launch the steps this way.
+and say where; its own traceback about the signal is left out, and the exit status is 128 + the
+signal (143 for SIGTERM). The Slurm templates and submit.py launch the steps this way.
 """
 import logging
+import os
+import signal
 import sys
 
-from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.run import main as torchrun
+# torchrun's C++ side warns, with a C++ stack trace, when a node's rendezvous store goes away:
+# what every other node sees after a refused multi-node job's first node has ended. For this
+# process only (read when torch loads, then removed, so the ranks keep their own warnings).
+QUIET_CPP = "TORCH_CPP_LOG_LEVEL" not in os.environ
+if QUIET_CPP:
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+import torch  # noqa: E402,F401  (the C++ log level is read now)
+
+if QUIET_CPP:
+    del os.environ["TORCH_CPP_LOG_LEVEL"]
+from torch.distributed.elastic.multiprocessing import api as elastic_api  # noqa: E402
+from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: E402
+from torch.distributed import DistNetworkError  # noqa: E402
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: E402
+from torch.distributed.elastic.rendezvous.api import RendezvousError  # noqa: E402
+from torch.distributed.run import main as torchrun  # noqa: E402
 
 USER_ERROR = 2  # the exit status of common.errors.exit_on_user_error
-HELD_BACK = ("failed (exitcode: %s)", "Sending process %s closing signal %s")
+HELD_BACK = ("failed (exitcode: %s)", "Sending process %s closing signal %s", "The node '")
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
 class HoldBack(logging.Filter):
@@ -28,13 +44,27 @@ class HoldBack(logging.Filter):
 
     def __init__(self):
         super().__init__()
-        self.held = []
+        self.held, self.user_error = [], False
 
     def filter(self, record):
         if isinstance(record.msg, str) and record.msg.startswith(HELD_BACK):
             self.held.append(record)
+            self.user_error |= record.msg.startswith("failed") and record.args[0] == USER_ERROR
             return False
         return True
+
+    def replay(self):
+        for record in self.held:  # a real failure: everything torchrun had to say
+            logging.getLogger(record.name).handle(record)
+
+
+def signalled_once(handler):
+    """torchrun's signal handler, for the first signal only: at a time limit Slurm signals torchrun
+    and srun forwards the same SIGTERM a moment later, which would interrupt torchrun's shutdown."""
+    def handle(signum, frame):
+        ignore_stop_signals()
+        handler(signum, frame)
+    return handle
 
 
 def main(argv=None):
@@ -42,17 +72,36 @@ def main(argv=None):
     for name in ("", "torch", "torch.distributed", "torch.distributed.elastic"):  # where its records meet a handler
         for handler in logging.getLogger(name).handlers:
             handler.addFilter(held)
+    elastic_api._terminate_process_handler = signalled_once(elastic_api._terminate_process_handler)
     try:
         torchrun(argv)
     except ChildFailedError as err:
+        ignore_stop_signals()  # ending anyway: a late SIGTERM must not interrupt the report
         _, first = err.get_first_failure()
         if first.exitcode == USER_ERROR:
             sys.exit(USER_ERROR)
-        for record in held.held:  # a real failure: everything torchrun had to say
-            logging.getLogger(record.name).handle(record)
+        held.replay()
         raise
     except SignalException as err:
-        sys.exit(128 + int(err.sigval))
+        sys.exit(USER_ERROR if held.user_error else 128 + int(err.sigval))
+    except (RendezvousError, DistNetworkError) as err:
+        ignore_stop_signals()
+        if held.user_error:  # what follows a rank's user error here: the rendezvous host has gone
+            sys.exit(USER_ERROR)
+        print(f"stopped: lost the rendezvous of the nodes ({type(err).__name__}): another node ended first (its log "
+              "says why) or the network between them failed", file=sys.stderr, flush=True)
+        sys.exit(1)
+    except Exception:
+        ignore_stop_signals()
+        if held.user_error:
+            sys.exit(USER_ERROR)
+        held.replay()
+        raise
+
+
+def ignore_stop_signals():
+    for stop_signal in STOP_SIGNALS:
+        signal.signal(stop_signal, signal.SIG_IGN)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@
 #   MODEL=codellama/CodeLlama-7b-hf DATA_DIR=/scratch/$USER/chess/data sbatch slurm/fsdp.sh --gradient_checkpointing
 #   TOTAL_BATCH_SIZE=32 BATCH_SIZE_PER_DEVICE=2 sbatch --nodes=1 --gpus-per-node=2 slurm/fsdp.sh
 #
-# Arguments after the script name go to 04_fsdp/train.py (--help lists them).
+# Arguments after the script name go to 04_fsdp/train.py (--help lists them). Before training, the
+# plan check (04_fsdp/check_plan.py) stops a job that cannot fit in GPU memory: FORCE=1 skips it.
 #
 # ---- site setup: edit this block for your cluster ------------------------------------------
 #SBATCH --job-name=fsdp
@@ -46,8 +47,8 @@ BATCH_SIZE_PER_DEVICE=${BATCH_SIZE_PER_DEVICE:-4}
 # and refuses a total that does not divide.
 GPUS_PER_NODE=${SLURM_GPUS_ON_NODE:-0}
 ((GPUS_PER_NODE > 0)) || { echo "error: this job has no GPUs: keep '#SBATCH --gpus-per-node=N'" >&2; exit 2; }
-python -c 'import common' 2>/dev/null || { echo "error: the kit's Python environment is not active in" \
-  "the job: activate it before sbatch, or in the site-setup block" >&2; exit 2; }
+(cd / && python -c 'import common') 2>/dev/null || { echo "error: the kit is not installed in the job's" \
+  "Python: activate its environment before sbatch (or in the site-setup block)" >&2; exit 2; }
 echo "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $SLURM_NNODES node(s) × $GPUS_PER_NODE GPU(s)" \
   "on $SLURM_JOB_NODELIST; output in $OUTPUT_DIR"
 
@@ -64,12 +65,22 @@ echo "rendezvous $FIRST_NODE:$RDZV_PORT id $SLURM_JOB_ID-${SLURM_RESTART_COUNT:-
 # shellcheck source=slurm/preemption.sh
 source slurm/preemption.sh  # the USR2 and TERM traps, USR2_IGNORED, wait_for_training
 
+TRAINING_ARGS=(--model "$MODEL" --data_dir "$DATA_DIR" --output_dir "$OUTPUT_DIR"
+  --total_batch_size "$TOTAL_BATCH_SIZE" --batch_size_per_device "$BATCH_SIZE_PER_DEVICE" "$@")
+
+# Will it fit? The plan check runs this job's step-4 code on fake tensors, on the CPU, in seconds
+# (up to a minute for 7B on 64 GPUs), and stops a job that cannot fit, saying what to change,
+# before any weights load. GPU_MEMORY_GIB=40 for another GPU than this node's; FORCE=1 skips it.
+if [[ ${SLURM_RESTART_COUNT:-0} == 0 && -z ${FORCE:-} ]]; then
+  python 04_fsdp/check_plan.py --gpus_per_node "$GPUS_PER_NODE" --nodes "$SLURM_NNODES" \
+    ${GPU_MEMORY_GIB:+--gpu_memory_gib "$GPU_MEMORY_GIB"} --override "FORCE=1 sbatch" -- "${TRAINING_ARGS[@]}"
+fi
+
 # One torchrun per node (srun starts them); each starts one process per GPU. A failure anywhere
 # ends the whole step (--kill-on-bad-exit). torchrun ignores USR2 (its processes handle it).
 # `python -m common.torchrun` is torchrun itself, with a user's mistake reported as one line.
 srun --kill-on-bad-exit=1 --nodes="$SLURM_NNODES" --ntasks-per-node=1 "${USR2_IGNORED[@]}" \
   python -m common.torchrun --nnodes="$SLURM_NNODES" --nproc-per-node="$GPUS_PER_NODE" \
   --rdzv-backend=c10d --rdzv-endpoint="$FIRST_NODE:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}" \
-  04_fsdp/train.py --model "$MODEL" --data_dir "$DATA_DIR" --output_dir "$OUTPUT_DIR" \
-  --total_batch_size "$TOTAL_BATCH_SIZE" --batch_size_per_device "$BATCH_SIZE_PER_DEVICE" "$@" &
+  04_fsdp/train.py "${TRAINING_ARGS[@]}" &
 wait_for_training $!

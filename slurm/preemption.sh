@@ -5,13 +5,16 @@
 # * USR2, the early warning: `#SBATCH --signal=B:USR2@300` makes Slurm send it to the batch shell
 #   (B:), and only to it, 300 s before the time limit (and at a preemption, where the site enables
 #   that). The shell forwards it to every training process on every node; they finish the
-#   optimiser step they are in, save a checkpoint and exit 0, and the shell requeues the job,
-#   which continues the run from the checkpoint (the training script resumes a requeued job).
-# * SIGTERM, "stop now": at a preemption (most sites warn with nothing else) and at the time
-#   limit, to every process of the job; SIGKILL follows after the site's GraceTime or KillWait
-#   (30 s by default). The training saves a checkpoint at the end of its step and exits; this
-#   shell keeps waiting for it, since the job ends when this shell does. A preempted job is
-#   requeued by Slurm itself.
+#   optimiser step they are in, save a checkpoint and exit 0.
+# * SIGTERM, "stop now": at a preemption (most sites warn with nothing else) Slurm sends it to
+#   every process of the job's steps (not to this shell) and SIGKILL after the partition's
+#   GraceTime; at the time limit to this shell too, with SIGKILL after KillWait (30 s by default).
+#   The ranks save a checkpoint at the end of their step and exit; torchrun (common/torchrun.py)
+#   then exits 143. This shell keeps waiting for it: the job ends when this shell does.
+# Either way, once the training has stopped early with a new complete checkpoint, this shell puts
+# the job back in the queue (`scontrol requeue`: same job id, SLURM_RESTART_COUNT + 1), and the
+# training continues its run from that checkpoint. A job that failed, or that stopped without
+# saving anything new, is not requeued (no endless loop).
 
 PREEMPTION_WARNED=0
 
@@ -43,10 +46,16 @@ USR2_IGNORED=(bash -c 'trap "" USR2 && exec "$@"' usr2-ignored)
 finished_at() {
   stat --format=%Y "$OUTPUT_DIR/summary.json" 2>/dev/null || echo none
 }
+# The newest complete checkpoint, or nothing: tells whether this attempt saved one.
+newest_checkpoint() {
+  local markers=("$OUTPUT_DIR"/checkpoints/step-*/COMPLETE)  # sorted: the step numbers are zero-padded
+  if [[ -e ${markers[-1]} ]]; then echo "${markers[-1]}"; fi
+}
 FINISHED_BEFORE=$(finished_at)
+CHECKPOINT_BEFORE=$(newest_checkpoint)
 
 # wait_for_training PID: wait for the srun started in the background and return its exit status;
-# after a preemption warning, requeue the job if the training stopped early with a checkpoint.
+# requeue the job if the training stopped early, on a signal, with a new checkpoint.
 # srun runs in the background because bash runs a signal trap only between commands: a
 # foreground srun would hold back the trap until training had ended. `wait` also returns when
 # a trapped signal arrives, hence the loop.
@@ -56,15 +65,22 @@ wait_for_training() {
     wait "$step_pid" && status=0 || status=$?
     kill -0 "$step_pid" 2>/dev/null || break
   done
-  ((PREEMPTION_WARNED)) || return "$status"
-  if ((status != 0)); then
-    echo "the training failed (exit status $status) after the preemption warning: not requeued." \
-      "Submit again with OUTPUT_DIR=$OUTPUT_DIR and --resume to continue from its last complete checkpoint" >&2
-  elif [[ $(finished_at) != "$FINISHED_BEFORE" ]]; then
-    echo "the training finished before it could stop early: nothing to requeue"
-  else
+  if [[ $(finished_at) != "$FINISHED_BEFORE" ]]; then
+    if ((PREEMPTION_WARNED)); then echo "the training finished before it could stop early: nothing to requeue"; fi
+    return "$status"
+  fi
+  local saved=0
+  [[ $(newest_checkpoint) == "$CHECKPOINT_BEFORE" ]] || saved=1
+  # Ended cleanly (0; 143: torchrun itself got the SIGTERM) without finishing, with a new checkpoint.
+  if ((saved && (status == 0 || status == 143))); then
     echo "$(date +%T) the training saved a checkpoint and stopped: requeueing job $SLURM_JOB_ID"
     scontrol requeue "$SLURM_JOB_ID"
+    return 0
+  fi
+  if ((PREEMPTION_WARNED || status == 143)); then
+    echo "the training stopped (exit status $status) without a new checkpoint after a preemption or time-limit" \
+      "signal: not requeued. Submit again with OUTPUT_DIR=$OUTPUT_DIR and --resume to continue from its last" \
+      "complete checkpoint" >&2
   fi
   return "$status"
 }

@@ -45,8 +45,8 @@ BATCH_SIZE_PER_DEVICE=${BATCH_SIZE_PER_DEVICE:-4}
 GPUS_PER_NODE=${SLURM_GPUS_ON_NODE:-0}
 ((SLURM_NNODES == 1 && GPUS_PER_NODE == 1)) || { echo "error: step 2 uses one GPU on one node, this job has" \
   "$SLURM_NNODES node(s) × $GPUS_PER_NODE GPU(s): use slurm/ddp.sh or slurm/fsdp.sh" >&2; exit 2; }
-python -c 'import common' 2>/dev/null || { echo "error: the kit's Python environment is not active in" \
-  "the job: activate it before sbatch, or in the site-setup block" >&2; exit 2; }
+(cd / && python -c 'import common') 2>/dev/null || { echo "error: the kit is not installed in the job's" \
+  "Python: activate its environment before sbatch (or in the site-setup block)" >&2; exit 2; }
 echo "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $SLURM_NNODES node(s) × $GPUS_PER_NODE GPU(s)" \
   "on $SLURM_JOB_NODELIST; output in $OUTPUT_DIR"
 

@@ -24,6 +24,16 @@ PREEMPTION_WARNING_S = 300  # how long before the time limit Slurm sends it (as 
 PR_SET_PDEATHSIG = 1
 
 
+STOPPED_BY_SIGTERM = 128 + signal.SIGTERM  # common/torchrun.py's exit status when torchrun got SIGTERM
+
+
+def progress(output_dir):
+    """(when the run last finished, its newest complete checkpoint): a new checkpoint and no new
+    finish mean that the training stopped early."""
+    summary, checkpoints = Path(output_dir) / "summary.json", sorted(Path(output_dir).glob("checkpoints/*/COMPLETE"))
+    return summary.stat().st_mtime_ns if summary.is_file() else None, checkpoints[-1] if checkpoints else None
+
+
 def _prepare_child():
     """Runs in the child between fork and exec."""
     # Die with the launcher: with proctrack/linuxproc (no cgroups) an orphaned torchrun escapes
@@ -62,12 +72,17 @@ class StepLauncher:
                 f"--rdzv-endpoint={first_node}:{port}", f"--rdzv-id={job_id}-{restarts}",
                 STEP_SCRIPTS[self.step], *script_args]
 
+    def output_dir(self, job_id):
+        args = self.training_args
+        return Path(args[args.index("--output_dir") + 1].replace("%j", str(job_id)))
+
     def __call__(self):
         import submitit
 
         job = submitit.JobEnvironment()
         job_id = os.environ["SLURM_JOB_ID"]  # of the whole job, also in an array
         restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
+        run = progress(self.output_dir(job_id))
         # The port is derived from the job id, as in the templates: jobs sharing a node never collide.
         command = self.command(job.num_nodes, job.hostnames[0], 20000 + int(job_id) % 20000, job_id, restarts)
         env = {**os.environ, "OMP_NUM_THREADS": str(max(1, self.cpus_per_task // self.gpus_per_node))}
@@ -78,6 +93,14 @@ class StepLauncher:
         # reap the child, and the job would hang until Slurm kills it.
         while self.process.poll() is None:
             time.sleep(0.5)
+        # A preemption that sends only SIGTERM (most sites: submitit acts on USR2 only): the ranks
+        # saved a checkpoint and stopped. Back to the queue, to continue from it (first node only).
+        finished, newest = progress(self.output_dir(job_id))
+        if self.process.returncode in (0, STOPPED_BY_SIGTERM) and finished == run[0] and newest != run[1]:
+            if job.node == 0:
+                print("the training saved a checkpoint and stopped (SIGTERM): requeueing", flush=True)
+                subprocess.run(["scontrol", "requeue", job_id], check=False)
+            return f"node {job.node}: {self.step} stopped early, requeued"
         if self.process.returncode != 0:
             raise RuntimeError(f"{Path(command[0]).name} exited with status {self.process.returncode} "
                                f"on node {job.node}")

@@ -47,6 +47,17 @@ def read_metrics(output_dir):
     return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+def with_changed(args, change):
+    """args with one option changed: [--flag] is added; [--option, value] replaces its value, or is added."""
+    args = list(args)
+    option, *value = change
+    if option in args and value:
+        args[args.index(option) + 1] = value[0]
+    else:
+        args += change
+    return args
+
+
 def demo_args(demo, output_dir):
     return ["--model", demo / "model", "--data_dir", demo / "data", "--output_dir", output_dir, *QUICK]
 
@@ -64,6 +75,27 @@ def single_reference(demo, tmp_path_factory):
     out = tmp_path_factory.mktemp("single_reference")
     run_step("single", demo_args(demo, out) + EQUIVALENCE + ["--total_batch_size", 8, "--batch_size_per_device", 2])
     return out
+
+
+# The run the resume, fault and damaged-checkpoint tests continue: 6 steps, a checkpoint every 2
+# (the last 2 kept), a global batch of 8 rows (1 process × 2 rows × 4 micro-batches, or 2 ranks × 2 × 2).
+RESUMABLE_STEPS = 6
+RESUMABLE = ["--max_steps", RESUMABLE_STEPS, "--save_every", 2, "--keep_checkpoints", 2,
+             "--total_batch_size", 8, "--batch_size_per_device", 2]
+RANKS = {"single": 1, "ddp": 2, "fsdp": 2}
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(demo, tmp_path_factory):
+    """uninterrupted(step): that step's RESUMABLE run from start to end, made once per session."""
+    runs = {}
+
+    def run(step):
+        if step not in runs:
+            runs[step] = tmp_path_factory.mktemp(f"uninterrupted-{step}") / "run"
+            run_step(step, demo_args(demo, runs[step]) + RESUMABLE, nproc=RANKS[step])
+        return runs[step]
+    return run
 
 
 def assert_same_run(reference_dir, other_dir, tolerance, weights=True):

@@ -1,6 +1,9 @@
 """The local Slurm cluster (tests/slurm/local_cluster.sh) as the tests use it: brought up once
 per session on free ports, jobs submitted and waited for with a timeout, and on a failure the
-daemon logs and job outputs copied to a folder that the failing test names."""
+daemon logs and job outputs copied to a folder that the failing test names.
+
+    pytest_plugins = ["slurm_cluster"]     # in a test module: its tests may ask for `slurm_cluster`
+"""
 import contextlib
 import os
 import random
@@ -19,6 +22,9 @@ CANNOT_RUN_HERE = 3  # local_cluster.sh's exit status for "not root / packages c
 FINISHED_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
                    "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
 NODES, GPUS_PER_NODE = 2, 2
+# Seconds a preempted job of the default partition has between Slurm's SIGTERM and its SIGKILL
+# (the partition's GraceTime; the cluster's KillWait of 10 s comes on top at the end).
+PREEMPT_GRACE_TIME = 60
 KEPT_LOGS_ROOT = Path(os.environ.get("KIT_SLURM_TEST_LOGS", REPO / "logs/slurm-tests"))
 
 
@@ -27,9 +33,9 @@ class ClusterUnavailable(Exception):
 
 
 def free_ports(count):
-    """The first of `count` consecutive free ports: slurmctld's, then one per slurmd. Taken from
-    30000-32767, below the kernel's ephemeral range and above the jobs' rendezvous ports
-    (20000 + job id)."""
+    """The first of `count` consecutive free ports: slurmctld's, slurmdbd's, then one per slurmd.
+    Taken from 30000-32767, below the kernel's ephemeral range and above the jobs' rendezvous
+    ports (20000 + job id)."""
     rng = random.Random()
     while True:
         first = rng.randrange(30000, 32768 - count)
@@ -46,10 +52,11 @@ def port_is_free(port):
         return True
 
 
-def running_cluster(tmp_path_factory):
-    """A fresh local cluster for one test module, which makes it its fixture with
-    `slurm_cluster = pytest.fixture(scope="module")(running_cluster)`. Skips where Slurm cannot
-    run; stopped (daemons and leftover job processes) at the module's end."""
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """The local cluster, one for all the Slurm tests of a session (a test module that uses it
+    names this module in `pytest_plugins`, which makes the fixture one for the whole session).
+    Skips where Slurm cannot run; stopped (daemons and leftover job processes) at the session's end."""
     cluster = LocalSlurmCluster(tmp_path_factory.mktemp("slurm"))
     try:
         cluster.up()
@@ -64,14 +71,16 @@ class LocalSlurmCluster:
         self.dir = Path(directory)
         self.jobs_dir = self.dir / "jobs"  # job outputs, submitit logs and training outputs
         self.jobs_dir.mkdir(parents=True, exist_ok=True)
-        ctld_port = free_ports(1 + NODES)
+        ctld_port = free_ports(2 + NODES)
         self.settings = {"CLUSTER_DIR": str(self.dir), "NODES": str(NODES), "GPUS_PER_NODE": str(GPUS_PER_NODE),
-                         "SLURMCTLD_PORT": str(ctld_port), "SLURMD_PORT": str(ctld_port + 1)}
+                         "SLURMCTLD_PORT": str(ctld_port), "SLURMDBD_PORT": str(ctld_port + 1),
+                         "SLURMD_PORT": str(ctld_port + 2), "PREEMPT_GRACE_TIME": str(PREEMPT_GRACE_TIME)}
         # What a user's shell has after `. env.sh` with the kit's virtual environment active:
         # sbatch passes this environment on to the jobs.
         venv_bin = str(Path(sys.executable).parent)
         self.env = {**os.environ, "SLURM_CONF": str(self.dir / "slurm.conf"),
-                    "PATH": os.pathsep.join([str(self.dir / "bin"), venv_bin, os.environ.get("PATH", "")])}
+                    "PATH": os.pathsep.join([venv_bin, os.environ.get("PATH", "")])}
+        self.grace_time = PREEMPT_GRACE_TIME
         self.kept_logs = None
 
     def up(self):
@@ -114,6 +123,28 @@ class LocalSlurmCluster:
         self.run(["scancel", job_id])
         raise TimeoutError(f"job {job_id} did not finish within {timeout} s (state {self.state(job_id)})")
 
+    def accounting(self, job_id, *fields):
+        """The job's records in the accounting database (the real `sacct`), one dict of `fields`
+        per start of the job: a requeued job has one for every attempt, oldest first."""
+        result = self.run(["sacct", "--duplicates", "--allocations", "--noheader", "--parsable2",
+                           f"--jobs={job_id}", f"--format={','.join(fields)}"])
+        assert result.returncode == 0, f"sacct failed: {result.stderr}"
+        return [dict(zip(fields, line.split("|"))) for line in result.stdout.splitlines()]
+
+    def accounted(self, job_id, *fields, timeout=30):
+        """`accounting()` once slurmctld has passed the job's end on to slurmdbd (a moment after
+        squeue shows it): the last record's State is squeue's final state."""
+        final = self.state(job_id)
+        assert final in FINISHED_STATES, f"job {job_id} has not finished ({final})"
+        deadline = time.monotonic() + timeout
+        while True:
+            records = self.accounting(job_id, "State", *fields)
+            if records and records[-1]["State"].split()[0] == final:  # "CANCELLED by 0" -> CANCELLED
+                return records
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id}: sacct shows {records}, squeue {final}")
+            time.sleep(0.5)
+
     def wait_until(self, job_id, condition, timeout, what):
         """Poll `condition()` until it is true; fail when the job ends first or time runs out."""
         deadline = time.monotonic() + timeout
@@ -134,7 +165,7 @@ class LocalSlurmCluster:
         for name in ("log", "jobs"):
             if (self.dir / name).is_dir():
                 shutil.copytree(self.dir / name, self.kept_logs / name, dirs_exist_ok=True)
-        for name in ("slurm.conf", "gres.conf"):
+        for name in ("slurm.conf", "gres.conf", "slurmdbd.conf"):
             if (self.dir / name).is_file():
                 shutil.copy2(self.dir / name, self.kept_logs / name)
         return self.kept_logs

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, assert_same_run, demo_args, read_metrics, run_step
+from conftest import RANKS, REPO, RESUMABLE, assert_same_run, demo_args, read_metrics, run_step
 
 
 SPLIT = ["--total_batch_size", 8, "--batch_size_per_device", 2]  # 1 × 2 × 4 or 2 ranks × 2 × 2
@@ -258,22 +258,19 @@ def damage_newest(output_dir, step):
 
 
 @pytest.mark.parametrize("step", SPLITS)
-def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(demo, tmp_path_factory, step):
-    nproc, split = SPLITS[step]
-    run = ["--max_steps", 4, "--save_every", 1, "--keep_checkpoints", 4, *split]
-    reference = tmp_path_factory.mktemp(f"uninterrupted-{step}") / "run"
-    run_step(step, demo_args(demo, reference) + run, nproc=nproc)
-    # The same run as if it had been killed after its 4th checkpoint: no final model yet.
-    damaged = tmp_path_factory.mktemp(f"damaged-{step}") / "run"
+def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(demo, tmp_path, uninterrupted, step):
+    reference = uninterrupted(step)
+    # The same run as if it had been killed after its last checkpoint: no final model yet.
+    damaged = tmp_path / "run"
     shutil.copytree(reference, damaged, ignore=shutil.ignore_patterns("final", "summary.json"))
     newest = damage_newest(damaged, step)
-    result = run_step(step, demo_args(demo, damaged) + run + ["--resume"], nproc=nproc)
+    result = run_step(step, demo_args(demo, damaged) + RESUMABLE + ["--resume"], nproc=RANKS[step])
     said = result.stdout + result.stderr
     warnings = {line for line in result.stderr.splitlines() if line.startswith("warning: ")}
     assert len(warnings) == 1, result.stderr[-3000:]
     warning = warnings.pop()
     assert f"checkpoint {newest} is unreadable" in warning and "falling back" in warning, warning
-    assert f"resuming from {damaged / 'checkpoints' / 'step-000003'}" in said, said[-3000:]
+    assert f"resuming from {damaged / 'checkpoints' / 'step-000004'}" in said, said[-3000:]
     assert_same_run(reference, damaged, tolerance=1e-6)
 
 

@@ -1,14 +1,17 @@
-"""benchmark/: the side-by-side benchmark (quick mode) writes a consistent table, JSON, plots and
-target checks; the 7B-shape script runs end to end on a shrunk shape on the CPU. No timing values
-are asserted: they depend on the machine."""
-import importlib.util
+"""benchmark/run.py: the side-by-side benchmark (quick mode: both models, both accumulations,
+--accumulate_unsharded) writes a consistent table, JSON, plots and target checks; the wide-vocab
+model it builds; the shipped CodeLlama-7b config. No timing values are asserted: they depend on
+the machine."""
 import json
 import os
 import subprocess
 import sys
+from collections import Counter
+from pathlib import Path
 
 import pytest
 
+from common.steps import load_script
 from conftest import REPO
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -20,84 +23,158 @@ def run_script(script, *args, timeout=300):
                           text=True, timeout=timeout, env=env, cwd=REPO)
 
 
-def test_full_benchmark_covers_every_configuration_with_one_global_batch():
-    spec = importlib.util.spec_from_file_location("benchmark_run", REPO / "benchmark" / "run.py")
-    run = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(run)
+def load_run_module():
+    return load_script("benchmark/run.py")
+
+
+def per_device_and_accumulation(extra):
+    return extra[extra.index("--batch_size_per_device") + 1], extra[extra.index("--total_batch_size") + 1]
+
+
+def test_full_benchmark_covers_every_configuration_at_each_accumulation_with_one_global_batch():
+    run = load_run_module()
     compared, others = run.configurations(quick=False)
-    configs = compared + others
-    assert [name for name, _, _, _ in compared] == ["ddp x2", "fsdp FULL_SHARD x2", "hf_trainer fsdp x2",
-                                                   "hf_trainer fsdp x2 packed"]  # the targets' runs
-    names = [name for name, _, _, _ in configs]
-    assert len(set(names)) == len(names)  # each writes its own folder and table row
-    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
-        assert {f"fsdp {strategy} x2", f"fsdp {strategy} x4"} <= set(names)
-    assert {"single", "ddp x2", "ddp x4", "fsdp HYBRID_SHARD x4", "fsdp FULL_SHARD x2 no packing",
-            "hf_trainer fsdp x2", "hf_trainer fsdp x2 packed"} <= set(names)
-    for name, _, ranks, extra in configs:
-        micro = extra[extra.index("--batch_size_per_device") + 1]
-        accumulation = extra[extra.index("--gradient_accumulation_steps") + 1] \
-            if "--gradient_accumulation_steps" in extra else 1
-        assert micro * accumulation * ranks == run.GLOBAL_BATCH_ROWS, name
+    assert run.MODELS == ["built-in", "wide vocab"] and run.ACCUMULATIONS == [1, 2]
+    for model in run.MODELS:
+        for accumulation in run.ACCUMULATIONS:
+            mine = [r for r in compared if (r.model, r.accumulation) == (model, accumulation)]
+            unsharded = ["fsdp FULL_SHARD x2 --accumulate_unsharded"] if accumulation > 1 else []
+            assert [r.name for r in mine] == ["ddp x2", "fsdp FULL_SHARD x2", *unsharded, "hf_trainer fsdp x2",
+                                              "hf_trainer fsdp x2 packed"]  # the targets' runs
+            names = [r.name for r in mine + [r for r in others if (r.model, r.accumulation) == (model, accumulation)]]
+            assert len(set(names)) == len(names)  # each writes its own folder and table row
+            for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
+                assert {f"fsdp {strategy} x2", f"fsdp {strategy} x4"} <= set(names)
+            assert {"single", "ddp x4", "fsdp HYBRID_SHARD x4", "fsdp FULL_SHARD x2 no packing"} <= set(names)
+    for r in compared + others:
+        per_device, total = per_device_and_accumulation(r.extra)
+        assert total == run.GLOBAL_BATCH_ROWS and per_device * r.ranks * r.accumulation == total, r
+
+
+def test_the_wide_vocab_model_tokenizes_the_games_as_the_demo_and_is_reproducible(demo, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+    run = load_run_module()
+    first = run.build_wide_vocab_model(demo / "model", tmp_path / "a")
+    second = run.build_wide_vocab_model(demo / "model", tmp_path / "b")
+    assert run.parameter_count(first) == (13_650_176, 20_480)  # 10.5M of them in embeddings and output layer
+    wide, small = AutoTokenizer.from_pretrained(first), AutoTokenizer.from_pretrained(demo / "model")
+    game = (demo / "data" / "train.jsonl").read_text().splitlines()[0]
+    assert wide(game).input_ids == small(game).input_ids and wide.pad_token_id == small.pad_token_id
+    a, b = load_file(first / "model.safetensors"), load_file(second / "model.safetensors")
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
 
 
 @pytest.fixture(scope="module")
 def quick(demo, tmp_path_factory):
     out = tmp_path_factory.mktemp("benchmark")
     result = run_script("benchmark/run.py", "--quick", "--model", demo / "model", "--data_dir", demo / "data",
-                        "--runs_dir", out / "runs", "--out", out)
+                        "--runs_dir", out / "runs", "--out", out, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out, json.loads((out / "results.json").read_text()), result.stdout
 
 
-def test_table_has_a_row_per_configuration(quick):
+def runs_of(results, model, accumulation):
+    return {row["name"]: row for row in results["runs"] if (row["model"], row["accumulation"]) == (model, accumulation)}
+
+
+def test_quick_covers_both_models_and_both_accumulations(quick):
     out, results, _ = quick
-    names = [row["name"] for row in results["runs"]]
-    assert names == ["ddp x2", "fsdp FULL_SHARD x2", "hf_trainer fsdp x2", "hf_trainer fsdp x2 packed"]
+    compared = ["ddp x2", "fsdp FULL_SHARD x2", "hf_trainer fsdp x2", "hf_trainer fsdp x2 packed"]
+    assert list(runs_of(results, "built-in", 1)) == compared
+    assert list(runs_of(results, "wide vocab", 2)) == compared[:2] + ["fsdp FULL_SHARD x2 --accumulate_unsharded"] \
+        + compared[2:]
+    assert [results["models"][m]["vocab_size"] for m in ("built-in", "wide vocab")] == [1972, 20_480]
     table = (out / "results.md").read_text()
     for row in results["runs"]:
         assert row["steps"] == results["steps"]
-        assert f"| {row['name']} | `{row['script']}` | {row['ranks']} | {row['tokens_per_s']} |" in table
         assert row["tokens_per_s"] > 0 and row["peak_rss_mib_per_rank"] > 0
+        assert (f"| {row['model']} | {row['accumulation']} | {row['name']} | `{row['script']}` | {row['ranks']} "
+                f"| {row['tokens_per_s']} |") in table
+        records = [json.loads(line) for line in (Path(row["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
+        if row["script"] != "benchmark/hf_trainer_fsdp.py":
+            assert {r["gradient_accumulation_steps"] for r in records} == {row["accumulation"]}, row["name"]
+    for model, accumulation in (("built-in", 1), ("wide vocab", 2)):
+        for folder in ("hf_trainer fsdp x2", "hf_trainer fsdp x2 packed"):
+            trainer = json.loads((Path(runs_of(results, model, accumulation)[folder]["output_dir"]) /
+                                  "summary.json").read_text())
+            assert trainer["gradient_accumulation_steps"] == accumulation
 
 
 def test_useful_tokens_are_counted_alike_for_the_trainer(quick):
     """Packed rows: 16 rows x 127 loss-bearing tokens per step, in our scripts and in the Trainer
-    fed the same rows. The baseline's padded rows (one game each) count only their games' tokens:
-    fewer per step, and that difference is what useful tokens/s measures. Both Trainer runs
-    really ran FSDP, on the CPU too."""
-    out, results, _ = quick
-    by_name = {row["name"]: row for row in results["runs"]}
-    for name in ("ddp x2", "fsdp FULL_SHARD x2", "hf_trainer fsdp x2 packed"):
-        assert by_name[name]["tokens_per_step"] == 16 * 127, name
-    assert 16 * 10 < by_name["hf_trainer fsdp x2"]["tokens_per_step"] < 16 * 127
-    for folder, packing in (("hf_trainer_fsdp_x2", False), ("hf_trainer_fsdp_x2_packed", True)):
-        trainer = json.loads((out / "runs" / folder / "summary.json").read_text())
-        assert trainer["packing"] is packing
-        assert trainer["wrapped_as"].startswith("FSDP"), trainer  # not DDP, which accelerate falls back to on CPU
-
-
-def test_ddp_and_fsdp_take_the_same_steps(quick):
+    fed the same rows, at any accumulation. The baseline's padded rows (one game each) count only
+    their games' tokens: fewer per step, and that difference is what useful tokens/s measures.
+    Both Trainer runs really ran FSDP, on the CPU too."""
     _, results, _ = quick
-    ddp, fsdp = results["runs"][0], results["runs"][1]
-    assert abs(ddp["final_loss"] - fsdp["final_loss"]) <= 1e-3
+    for model, accumulation in (("built-in", 1), ("wide vocab", 2)):
+        runs = runs_of(results, model, accumulation)
+        for name in ("ddp x2", "fsdp FULL_SHARD x2", "hf_trainer fsdp x2 packed"):
+            assert runs[name]["tokens_per_step"] == 16 * 127, name
+        assert 16 * 10 < runs["hf_trainer fsdp x2"]["tokens_per_step"] < 16 * 127
+        for name, packing in (("hf_trainer fsdp x2", False), ("hf_trainer fsdp x2 packed", True)):
+            trainer = json.loads((Path(runs[name]["output_dir"]) / "summary.json").read_text())
+            assert trainer["packing"] is packing
+            assert trainer["wrapped_as"].startswith("FSDP"), trainer  # not DDP, which accelerate falls back to on CPU
+
+
+def test_ddp_and_fsdp_take_the_same_steps_with_and_without_accumulate_unsharded(quick):
+    _, results, _ = quick
+    for model, accumulation in (("built-in", 1), ("wide vocab", 2)):
+        runs = runs_of(results, model, accumulation)
+        losses = {name: [json.loads(line)["loss"] for line in
+                         (Path(row["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
+                  for name, row in runs.items() if "hf_trainer" not in name}
+        assert len(losses) == (3 if accumulation > 1 else 2)
+        for name, got in losses.items():
+            assert got == pytest.approx(losses["ddp x2"], abs=1e-4), name
 
 
 def test_full_shard_keeps_half_of_ddp_state_per_rank(quick):
     """Measured bytes of parameters, gradients and AdamW state per rank, not assumed."""
     _, results, _ = quick
-    ddp, fsdp = results["runs"][0]["state_mib_per_rank"], results["runs"][1]["state_mib_per_rank"]
-    assert ddp > 0 and abs(fsdp / (ddp / 2) - 1) <= 0.02
+    for model, accumulation in (("built-in", 1), ("wide vocab", 2)):
+        runs = runs_of(results, model, accumulation)
+        ddp, fsdp = runs["ddp x2"]["state_mib_per_rank"], runs["fsdp FULL_SHARD x2"]["state_mib_per_rank"]
+        assert ddp > 0 and abs(fsdp / (ddp / 2) - 1) <= 0.02
+
+
+def test_accumulate_unsharded_memory_is_measured_between_micro_batches(quick):
+    """On 2 ranks (every dimension even, so shards are exact halves): the option keeps a gathered
+    copy of the weights next to the shards (1/2 + 1) and full gradients instead of halves; AdamW's
+    state stays sharded. DDP keeps everything whole."""
+    out, results, _ = quick
+    table = (out / "results.md").read_text()
+    for model, held in results["accumulation_bytes_per_rank"].items():
+        default, unsharded, ddp = (held[name] for name in ("FULL_SHARD", "FULL_SHARD --accumulate_unsharded",
+                                                           "DDP no_sync"))
+        assert unsharded["parameters"] == 3 * default["parameters"]
+        assert unsharded["gradients"] == 2 * default["gradients"] == ddp["gradients"]
+        assert unsharded["optimizer"] == default["optimizer"] == ddp["optimizer"] / 2
+        assert all(part["total"] == part["parameters"] + part["gradients"] + part["optimizer"]
+                   for part in (default, unsharded, ddp))
+    unsharded = runs_of(results, "wide vocab", 2)["fsdp FULL_SHARD x2 --accumulate_unsharded"]
+    mib = round(results["accumulation_bytes_per_rank"]["wide vocab"]["FULL_SHARD --accumulate_unsharded"]["total"]
+                / 2**20, 2)
+    assert f"| wide vocab | fsdp FULL_SHARD x2 --accumulate_unsharded | {unsharded['tokens_per_s']} |" in table
+    assert f"| {mib} |" in table
 
 
 def test_targets_are_checked_and_printed(quick):
     out, results, stdout = quick
-    assert [target["met"] is None for target in results["targets"]] == [False, False, True, False]
+    per_block = Counter((target["model"], target["accumulation"]) for target in results["targets"])
+    # FULL_SHARD ÷ DDP, ÷ the Trainer, ÷ the Trainer on packed rows; at accumulation 2 also with the option;
+    # state bytes once per model (they do not depend on the accumulation)
+    assert per_block == {("built-in", 1): 3, ("wide vocab", 2): 6, ("built-in", None): 1, ("wide vocab", None): 1}
+    assert sum("--accumulate_unsharded" in target["target"] for target in results["targets"]) == 3
+    for target in results["targets"]:
+        assert (target["met"] is None) == target["target"].startswith("for information"), target
     table = (out / "results.md").read_text()
-    assert "Targets (ratios from this run):" in table
+    assert "Targets (ratios from this run" in table
     for target in results["targets"]:
         verdict = "—" if target["met"] is None else "met" if target["met"] else "NOT MET"
-        assert f"target {verdict}: {target['target']}: ratio {target['ratio']}" in stdout
+        where = target["model"] + ("" if target["accumulation"] is None else f", accumulation {target['accumulation']}")
+        assert f"target {verdict}: {target['target']} ({where}): ratio {target['ratio']}" in stdout
 
 
 def test_plots_are_png_files(quick):
@@ -124,24 +201,3 @@ def test_shipped_config_is_codellama_7b():
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     assert sum(p.numel() for p in model.parameters()) == 6_738_546_688
-
-
-def test_gpu_7b_script_runs_a_shrunk_shape_on_the_cpu(demo, tmp_path):
-    result = run_script("benchmark/gpu_7b.py", "--layers", 2, "--hidden", 128, "--heads", 2, "--intermediate", 256,
-                        "--steps", 2, "--seq_length", 64, "--gradient_accumulation_steps", 1,
-                        "--batch_size_per_device", 2, "--tokenizer", demo / "model", "--data_dir", demo / "data",
-                        "--work_dir", tmp_path)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    config = json.loads((tmp_path / "model" / "config.json").read_text())
-    assert (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"], config["rope_theta"]) == \
-        (2, 128, 32016, 1000000)  # the overrides, the rest CodeLlama-7b's
-    results = json.loads((tmp_path / "results.json").read_text())
-    assert [run["status"] for run in results["runs"]] == ["ok", "ok"]
-    assert [run["activation_checkpointing"] for run in results["runs"]] == [False, True]
-    assert all(run["tokens_per_s_per_device"] > 0 and run["mfu"] is None for run in results["runs"])  # no MFU on CPU
-    table = (tmp_path / "results.md").read_text()
-    assert "| no |" in table and "| yes |" in table
-    for name in ("without_checkpointing", "with_checkpointing"):
-        records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-        assert len(records) == 2
-        assert not (tmp_path / name / "checkpoints").exists()  # removed: 16 bytes per parameter for 7B

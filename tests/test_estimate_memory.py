@@ -3,7 +3,6 @@ activation count is what autograd really keeps, and its arithmetic and command l
 
 The measurement is a real multi-process run: this file, started by torchrun, is its own helper
 (see `measure` at the bottom)."""
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,20 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.steps import load_script
+
 REPO = Path(__file__).resolve().parents[1]
 ESTIMATOR = REPO / "04_fsdp" / "estimate_memory.py"
 CODELLAMA_PARAMS = 6_738_546_688
 
 
-def import_estimator():
-    """04_fsdp is not a valid package name, so import the script by its path."""
-    spec = importlib.util.spec_from_file_location("estimate_memory", ESTIMATOR)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-em = import_estimator()
+em = load_script("04_fsdp/estimate_memory.py")
 GiB = em.GiB
 
 
@@ -81,7 +74,7 @@ def test_sharded_state_matches_fsdp2_on_every_rank(measured, demo_shape, ranks, 
     rows = measured[(ranks, strategy)]
     assert sorted(row["rank"] for row in rows) == list(range(ranks))
     degree = em.shard_degree(strategy, per_node, ranks // per_node)
-    estimated = em.sharded_state_bytes(demo_shape, degree)
+    estimated = em.sharded_state_bytes(em.fsdp_units(demo_shape), degree)
     for row in rows:
         for part in ("parameters", "gradients", "optimizer"):
             assert row[part] > 0
@@ -91,15 +84,21 @@ def test_sharded_state_matches_fsdp2_on_every_rank(measured, demo_shape, ranks, 
 
 # ---- activations: the per-layer count against what autograd keeps -------------------------------
 
-def saved_bytes_per_token_of_one_layer(model_dir, precision, attention, seq_length=128, batch_size=2):
+def saved_bytes_per_token_of_one_layer(model_dir, precision, attention, lora_targets=None, seq_length=128,
+                                       batch_size=2):
     """Run the demo model and add up the tensors autograd saves inside decoder layer 1 (not the
-    weights, which are counted elsewhere; not layer 0, which also keeps the shared RoPE tables)."""
+    weights, which are counted elsewhere; not layer 0, which also keeps the shared RoPE tables).
+    With lora_targets: peft's LoRA adapters (rank 16) on those layers, the rest frozen, as step 5."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attention)
+    if lora_targets:
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",
+                                                 target_modules=lora_targets))
     model.to(torch.bfloat16 if precision == "bf16" else torch.float32).train()  # as FSDP's bf16 compute sees it
     seen = {p.untyped_storage().data_ptr() for p in model.parameters()}
     inside = [False]
-    layer = model.model.layers[1]
+    layer = (model.get_base_model() if lora_targets else model).model.layers[1]
     layer.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
     layer.register_forward_hook(lambda *_: inside.__setitem__(0, False))
     saved = [0]
@@ -117,22 +116,67 @@ def saved_bytes_per_token_of_one_layer(model_dir, precision, attention, seq_leng
     return saved[0] / (seq_length * batch_size)
 
 
-@pytest.mark.parametrize("precision,attention", [("bf16", "sdpa"), ("fp32", "sdpa"), ("bf16", "eager")])
-def test_layer_activation_count_matches_saved_tensors(demo_model, demo_shape, precision, attention):
-    measured = saved_bytes_per_token_of_one_layer(demo_model, precision, attention)
-    estimated = em.layer_activation_bytes_per_token(demo_shape, em.COMPUTE_BYTES[precision], attention, 128)
+@pytest.mark.quick
+@pytest.mark.parametrize("precision,attention,lora_targets", [
+    ("bf16", "sdpa", None), ("fp32", "sdpa", None), ("bf16", "eager", None),
+    ("bf16", "sdpa", em.LORA_TARGETS.split(",")), ("fp32", "sdpa", em.LORA_TARGETS.split(",")),
+    ("bf16", "sdpa", ["q_proj", "v_proj"]), ("bf16", "sdpa", ["down_proj"])])
+def test_layer_activation_count_matches_saved_tensors(demo_model, demo_shape, precision, attention, lora_targets):
+    measured = saved_bytes_per_token_of_one_layer(demo_model, precision, attention, lora_targets)
+    estimated = em.layer_activation_bytes_per_token(demo_shape, em.COMPUTE_BYTES[precision], attention, 128,
+                                                    16 if lora_targets else None, lora_targets or ())
     assert abs(estimated - measured) <= 0.02 * measured, (estimated, measured)
+
+
+@pytest.mark.quick
+def test_lora_adapters_are_what_peft_adds(demo_model, demo_shape):
+    """The trainable parameters are peft's, and only their gradients and AdamW state are kept."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+    with torch.device("meta"):
+        model = get_peft_model(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(demo_model)),
+                               LoraConfig(r=16, target_modules=em.LORA_TARGETS.split(","), task_type="CAUSAL_LM"))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    lora = em.estimate(demo_shape, lora_rank=16, lora_targets=em.LORA_TARGETS.split(","))
+    assert lora["trainable_parameters"] == trainable
+    assert lora["gradients"] == 4 * trainable and lora["optimizer"] == 8 * trainable
+    assert lora["parameters"] == 4 * sum(p.numel() for p in model.parameters())  # frozen ones too, fp32
+    qlora = em.estimate(demo_shape, lora_rank=16, lora_targets=em.LORA_TARGETS.split(","), qlora=True)
+    assert qlora["parameters"] < 0.5 * lora["parameters"] and qlora["gradients"] == lora["gradients"]
+
+
+@pytest.mark.quick
+def test_accumulate_unsharded_keeps_the_whole_model_and_its_gradients(codellama):
+    """Between micro-batches every rank holds the whole model in bf16 and whole gradients in fp32."""
+    sharded = em.estimate(codellama, gpus_per_node=8, accumulation=4)
+    kept = em.estimate(codellama, gpus_per_node=8, accumulation=4, accumulate_unsharded=True)
+    assert kept["gathered_parameters"] == 2 * CODELLAMA_PARAMS
+    assert kept["unsharded_gradients"] > 4 * CODELLAMA_PARAMS > 20 * sharded["unsharded_gradients"]
+    assert kept["peak"] > sharded["peak"] + 30 * GiB
+    # With one micro-batch per step there is nothing to keep.
+    assert em.estimate(codellama, gpus_per_node=8, accumulate_unsharded=True) == em.estimate(codellama, gpus_per_node=8)
+
+
+@pytest.mark.quick
+def test_names_and_defaults_are_the_step_scripts():
+    from common.steps import load_step
+    fsdp, lora = load_step("fsdp"), load_step("lora")
+    assert em.STRATEGIES == fsdp.STRATEGIES and set(em.COMPUTE_BYTES) == set(fsdp.PRECISIONS)
+    defaults = lora.parse_arguments(["--output_dir", "unused"])
+    assert (defaults.lora_rank, ",".join(defaults.lora_target_modules)) == (em.LORA_RANK, em.LORA_TARGETS)
 
 
 # ---- arithmetic -----------------------------------------------------------------------------------
 
+@pytest.mark.quick
 def test_codellama_parameter_count_from_the_meta_model(codellama):
     assert codellama.num_params == CODELLAMA_PARAMS
     assert codellama.num_layers == 32
-    state = em.sharded_state_bytes(codellama, 8)  # 16 bytes per parameter over 8 GPUs
+    state = em.sharded_state_bytes(em.fsdp_units(codellama), 8)  # 16 bytes per parameter over 8 GPUs
     assert sum(state.values()) / GiB == pytest.approx(16 * CODELLAMA_PARAMS / 8 / GiB, rel=1e-4)
 
 
+@pytest.mark.quick
 def test_dim0_is_padded_to_a_multiple_of_the_shard_degree():
     # 5 rows over 4 ranks: 2 rows each (8 padded); 7 elements: 2 each; a scalar: 1 each.
     assert em.sharded_bytes([(5, 3), (7,), ()], 4, 4) == (2 * 3 + 2 + 1) * 4
@@ -143,12 +187,14 @@ def without(estimate, *keys):
     return {k: v for k, v in estimate.items() if k not in keys}
 
 
+@pytest.mark.quick
 def test_no_shard_on_many_gpus_is_one_gpu(codellama):
     no_shard = em.estimate(codellama, "NO_SHARD", gpus_per_node=4, nodes=2)
     assert no_shard == em.estimate(codellama, "FULL_SHARD", gpus_per_node=1, nodes=1)
     assert no_shard["parameters"] == 4 * CODELLAMA_PARAMS
 
 
+@pytest.mark.quick
 def test_hybrid_on_one_node_is_full_shard(codellama):
     assert (em.estimate(codellama, "HYBRID_SHARD", gpus_per_node=4, nodes=1)
             == em.estimate(codellama, "FULL_SHARD", gpus_per_node=4, nodes=1))
@@ -157,20 +203,24 @@ def test_hybrid_on_one_node_is_full_shard(codellama):
             == em.estimate(codellama, "FULL_SHARD", gpus_per_node=4, nodes=1))
 
 
+@pytest.mark.quick
 def test_shard_grad_op_keeps_the_whole_model_gathered(codellama):
     zero2 = em.estimate(codellama, "SHARD_GRAD_OP", gpus_per_node=8)
     zero3 = em.estimate(codellama, "FULL_SHARD", gpus_per_node=8)
-    differ = ("unsharded_parameters", "forward_to_backward", "end_of_backward", "peak")
+    differ = ("gathered_parameters", *em.PEAK_MOMENTS, "peak")
     assert without(zero2, *differ) == without(zero3, *differ)
-    assert zero2["unsharded_parameters"] == 2 * CODELLAMA_PARAMS > zero3["unsharded_parameters"]
+    assert zero2["gathered_parameters"] == 2 * CODELLAMA_PARAMS > zero3["gathered_parameters"]
+    assert zero2["peak"] > zero3["peak"] + 10 * GiB
 
 
+@pytest.mark.quick
 def test_hybrid_shard_group_size(codellama):
     assert em.shard_degree("HYBRID_SHARD", 8, 2, shard_group_size=2) == 2
     assert (em.estimate(codellama, "HYBRID_SHARD", gpus_per_node=8, nodes=2, shard_group_size=2)
             == em.estimate(codellama, "FULL_SHARD", gpus_per_node=2, nodes=1))
 
 
+@pytest.mark.quick
 def test_checkpointing_and_offload_shrink_the_gpu_peak(codellama):
     plain = em.estimate(codellama, gpus_per_node=8)
     checkpointed = em.estimate(codellama, gpus_per_node=8, gradient_checkpointing=True)
@@ -180,19 +230,21 @@ def test_checkpointing_and_offload_shrink_the_gpu_peak(codellama):
     assert offloaded["optimizer_step"] == 0  # the step runs on the CPU
 
 
+@pytest.mark.quick
 def test_peak_is_the_largest_moment(codellama):
     # One GPU with checkpointing: the optimizer step wins. 4 + 4 + 8 bytes of state, plus the
     # 4-byte temporary of foreach AdamW.
     one_gpu = em.estimate(codellama, gpus_per_node=1, gradient_checkpointing=True)
     assert one_gpu["peak"] == one_gpu["optimizer_step"] == 20 * CODELLAMA_PARAMS
-    # Eight GPUs without checkpointing: activations win, before any gradient exists.
+    # Eight GPUs without checkpointing: activations win, in backward.
     eight = em.estimate(codellama, gpus_per_node=8)
-    assert eight["peak"] == eight["forward_to_backward"] > eight["optimizer_step"]
-    # With gradient accumulation the gradients of earlier micro-batches are there too.
-    accumulating = em.estimate(codellama, gpus_per_node=8, gradient_accumulation_steps=2)
-    assert accumulating["forward_to_backward"] == eight["forward_to_backward"] + eight["gradients"]
+    assert eight["peak"] == eight["backward"] > eight["optimizer_step"]
+    # With gradient accumulation the gradients of earlier micro-batches are there in forward too.
+    accumulating = em.estimate(codellama, gpus_per_node=8, accumulation=2)
+    assert accumulating["end_of_forward"] == eight["end_of_forward"] + eight["gradients"]
 
 
+@pytest.mark.quick
 def test_fit_verdict(codellama):
     one_gpu = em.estimate(codellama, gpus_per_node=1)["peak"]
     eight_gpus = em.estimate(codellama, gpus_per_node=8, gradient_checkpointing=True)["peak"]
@@ -204,19 +256,24 @@ def test_fit_verdict(codellama):
 
 # ---- the command line -----------------------------------------------------------------------------
 
+@pytest.mark.quick
 def test_table_works_offline_from_the_built_in_config(monkeypatch, capsys):
     import transformers
+    from_pretrained = transformers.AutoConfig.from_pretrained
 
     def nothing_cached(name, *args, **kwargs):
-        raise OSError(f"{name} is not in the cache")
+        if name == "codellama/CodeLlama-7b-hf":
+            raise OSError(f"{name} is not in the cache")
+        return from_pretrained(name, *args, **kwargs)
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", nothing_cached)
     em.main(["--table", "--gradient_checkpointing"])
     out = capsys.readouterr().out
-    assert "built-in copy" in out and f"{CODELLAMA_PARAMS:,}" in out
+    assert "the kit's copy of its config" in out and f"{CODELLAMA_PARAMS:,}" in out
     rows = [line for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert len(rows) == len(em.TABLE_GPUS) * len(em.STRATEGIES)
 
 
+@pytest.mark.quick
 def test_report_on_a_local_model_directory(demo_model, capsys):
     em.main(["--model", str(demo_model), "--gpus_per_node", "2", "--max_seq_length", "256"])
     out = capsys.readouterr().out
@@ -231,6 +288,7 @@ def test_bad_input_is_one_error_line():
     assert lines == ["error: --nodes must be at least 1 (got 0)"], result.stderr
 
 
+@pytest.mark.quick
 def test_unknown_model_names_the_download_command(capsys):
     with pytest.raises(SystemExit) as exit_info:
         em.exit_on_user_error(lambda: em.main(["--model", "nobody/no-such-model-xyz"]))

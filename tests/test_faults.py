@@ -18,12 +18,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import REPO, STEP_SCRIPTS, assert_same_run, demo_args, run_step
+from conftest import REPO, RESUMABLE, RESUMABLE_STEPS, STEP_SCRIPTS, assert_same_run, demo_args, run_step
 
-STEPS = 6
-SAVE_EVERY = 2
-SPLIT = ["--total_batch_size", 8, "--batch_size_per_device", 2]  # 2 ranks × 2 rows × 2 micro-batches
-RUN = ["--max_steps", STEPS, "--save_every", SAVE_EVERY, "--keep_checkpoints", 2, *SPLIT]
+STEPS = RESUMABLE_STEPS
+SAVE_EVERY = 2  # as in RESUMABLE
+RUN = RESUMABLE  # conftest's: the uninterrupted runs are the session's
 ENDS_WITHIN_S = 60       # after the kill, torchrun must have exited (no hang)
 RANKS_GONE_WITHIN_S = 10  # after the launcher's death, its ranks must be gone
 SEED = 5  # the fault plan below is random but reproducible; the moments in time still vary per run
@@ -170,15 +169,6 @@ def fault_plan(seed):
     return plan
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(demo, tmp_path_factory):
-    runs = {}
-    for step in ("ddp", "fsdp"):
-        runs[step] = tmp_path_factory.mktemp(f"uninterrupted-{step}") / "run"
-        run_step(step, demo_args(demo, runs[step]) + RUN, nproc=2)
-    return runs
-
-
 def test_fault_injection_loop(demo, tmp_path, uninterrupted):
     """Kill one rank at random moments (seeded), then resume: every fault must be survived."""
     rng = random.Random(SEED)
@@ -203,7 +193,7 @@ def test_fault_injection_loop(demo, tmp_path, uninterrupted):
             if complete:  # the newest complete checkpoint is the one resumed from, read without trouble
                 assert f"resuming from {output_dir / 'checkpoints' / complete[-1]}" in said, said[-2000:]
             assert "warning: checkpoint" not in said
-            assert_same_run(uninterrupted[step], output_dir, tolerance=1e-6)
+            assert_same_run(uninterrupted(step), output_dir, tolerance=1e-6)
             survived += 1
             print(f"survived: {what}; torchrun exited {outcome['ended_after_s']:.1f} s after the kill, "
                   f"resumed from {complete[-1] if complete else 'the start'}")

@@ -1,11 +1,13 @@
 """04_fsdp's low host-memory loading: only rank 0 ever holds the whole model in host memory; the
-other ranks hold their shards (plus one tensor in flight). And --random_init needs no weights."""
+other ranks hold their shards (plus one tensor in flight). And benchmark/random_weights.py runs the
+step on a model folder without weights."""
 import json
+import os
 import shutil
 import subprocess
 import sys
 
-from conftest import REPO, demo_args, read_metrics, run_step
+from conftest import QUICK, REPO, read_metrics, run_step
 
 
 def test_only_rank0_holds_a_full_copy_while_loading(tmp_path):
@@ -27,19 +29,25 @@ def test_only_rank0_holds_a_full_copy_while_loading(tmp_path):
         assert abs(rank["shard_mib"] - model_mib / 2) < 0.05 * model_mib
 
 
-def test_random_init_needs_only_the_config(demo, tmp_path):
-    """A model folder with config.json and tokenizer only (the 7B benchmark's case) trains."""
+def test_random_weights_need_only_the_config(demo, tmp_path):
+    """A model folder with config.json and tokenizer only (the 7B benchmark's case) trains under
+    benchmark/random_weights.py."""
     config_only = tmp_path / "config_only"
     config_only.mkdir()
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(demo / "model" / name, config_only)
+    def args(output_dir):
+        return ["--model", config_only, "--data_dir", demo / "data", "--output_dir", output_dir, *QUICK]
     out = tmp_path / "run"
-    args = demo_args(demo, out) + ["--model", config_only, "--random_init", "--max_steps", 3, "--seed", 1]
-    run_step("fsdp", args, nproc=2)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               str(REPO / "benchmark/random_weights.py"), str(REPO / "04_fsdp/train.py"),
+               *map(str, args(out) + ["--max_steps", 3, "--seed", 1])]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     losses = [r["loss"] for r in read_metrics(out)]
     assert len(losses) == 3 and all(7.0 < loss < 8.5 for loss in losses)  # ln(1972) = 7.59: an untrained model
     assert (out / "final/model.safetensors").is_file()
-    # Without --random_init the same folder is refused: there are no weights to load.
-    result = run_step("fsdp", demo_args(demo, tmp_path / "refused") + ["--model", config_only, "--max_steps", 1],
-                      nproc=1, check=False)
+    # Run by itself, the step refuses the same folder: there are no weights to load.
+    result = run_step("fsdp", args(tmp_path / "refused") + ["--max_steps", 1], nproc=1, check=False)
     assert result.returncode != 0 and f"error: cannot load the model at {config_only}" in result.stderr

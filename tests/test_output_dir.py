@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from conftest import REPO, STEP_SCRIPTS, demo_args, read_metrics, run_step
+from conftest import REPO, STEP_SCRIPTS, demo_args, read_metrics, run_step, with_changed
 
 RUN = ["--max_steps", 2, "--save_every", 1, "--total_batch_size", 8, "--batch_size_per_device", 4]
 
@@ -30,17 +30,6 @@ def finished_run(demo, tmp_path_factory):
     output_dir = tmp_path_factory.mktemp("finished") / "run"
     run_step("single", demo_args(demo, output_dir) + RUN)
     return output_dir
-
-
-def with_changed(args, change):
-    """args with one option changed: [--flag] is added; [--option, value] replaces its value, or is added."""
-    args = list(args)
-    option, *value = change
-    if option in args and value:
-        args[args.index(option) + 1] = value[0]
-    else:
-        args += change
-    return args
 
 
 def copy_of(run, tmp_path):

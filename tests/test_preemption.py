@@ -1,47 +1,51 @@
 """Preemption and time limits on a real 2-node Slurm (tests/slurm/local_cluster.sh), end to end:
-the warning signal reaches every rank on both nodes, they save a checkpoint and stop, the job is
-requeued and resumes; twice in one job. The result must be the uninterrupted run's: the same
-final weights, every step in metrics.jsonl exactly once.
+the signal reaches every rank on both nodes, they save a checkpoint and stop, the job is requeued
+and resumes. The result must be the uninterrupted run's: the same final weights, every step in
+metrics.jsonl exactly once.
 
-How the warning is sent here is what Slurm does at the time limit:
+The early warning, USR2, twice in one job, sent the way Slurm does before the time limit:
 * sbatch templates: `#SBATCH --signal=B:USR2@300` signals the batch shell only, which is
   `scancel --batch --signal=USR2 JOB`;
 * submit.py: submitit's `--signal=USR2@300` (no B:) signals every process of the job's steps,
   which is `scancel --signal=USR2 JOB` (what submitit's own `job._interrupt(timeout=True)` runs).
 The warnings are timed by the run's progress (metrics.jsonl), not by sleeping.
+
+SIGTERM only, as most sites preempt: a real preemption by slurmctld. The cluster's `urgent`
+partition preempts its default one (PreemptType=preempt/partition_prio, PreemptMode=REQUEUE,
+GraceTime); a job there that needs the GPUs makes slurmctld send SIGTERM to every process of
+the running job's steps (not to the batch shell, and no user signal), and SIGKILL GraceTime later.
 """
+import datetime
 import json
 import re
 import sys
 
 import pytest
 
-from conftest import assert_same_run, demo_args, run_step
-from slurm_cluster import REPO, running_cluster
+from conftest import QUICK, REPO, assert_same_run, demo_args, run_step
 
 pytestmark = pytest.mark.slurm
+pytest_plugins = ["slurm_cluster"]  # the `slurm_cluster` fixture: one local cluster for the session
 
 STEP = "fsdp"
 MAX_STEPS = 12
 # 2 nodes × 2 fake GPUs, 2 rows per device: a total batch of 8 is one pass, no accumulation.
 WORLD_SIZE, TOTAL_BATCH, PER_DEVICE = 4, 8, 2
-TRAINING = ["--max_steps", str(MAX_STEPS), "--learning_rate", "3e-3", "--max_seq_length", "64",
-            "--eval_every", "0", "--eval_rows", "8", "--eval_games", "8"]
+LEARNING_RATE = ["--learning_rate", "3e-3"]
+TRAINING = ["--max_steps", str(MAX_STEPS), *LEARNING_RATE, *QUICK]  # QUICK: short rows, little evaluation
 SMALL_NODE = ["--cpus-per-task=2", "--mem=2G", "--time=10"]
 # Quotes, spaces, a command substitution and a `;`: nothing may run, the path must arrive as is.
 HOSTILE = "run 'one' \"two\" $(touch injected); `touch injected` & "
 START_TIMEOUT_S = 120  # from submission (or requeue) to training steps on both nodes
 JOB_TIMEOUT_S = 240
 
-slurm_cluster = pytest.fixture(scope="module")(running_cluster)
-
 
 @pytest.fixture(scope="module")
 def uninterrupted(demo, tmp_path_factory):
     """The same training in one go, with plain torchrun and the same world size and batch."""
     output_dir = tmp_path_factory.mktemp("uninterrupted")
-    run_step(STEP, demo_args(demo, output_dir) + TRAINING[2:] + [
-        "--max_steps", MAX_STEPS, "--batch_size_per_device", PER_DEVICE, "--gradient_accumulation_steps", 1],
+    run_step(STEP, demo_args(demo, output_dir) + LEARNING_RATE + [  # demo_args has QUICK
+        "--max_steps", MAX_STEPS, "--total_batch_size", TOTAL_BATCH, "--batch_size_per_device", PER_DEVICE],
         nproc=WORLD_SIZE)
     return output_dir
 
@@ -78,8 +82,7 @@ def preempt_twice(cluster, job_id, output_dir, read_log, warn):
 
 
 def check_same_as_uninterrupted(output_dir, uninterrupted, saved):
-    first, second = saved
-    assert 2 <= first < second < MAX_STEPS, saved
+    assert saved == sorted(set(saved)) and 2 <= saved[0] and saved[-1] < MAX_STEPS, saved
     assert steps_done(output_dir) == list(range(1, MAX_STEPS + 1))  # every step exactly once
     assert_same_run(uninterrupted, output_dir, tolerance=1e-6)  # per-step losses and final weights
 
@@ -108,7 +111,8 @@ def test_sbatch_job_survives_two_preemptions(slurm_cluster, demo, uninterrupted)
         assert state == "COMPLETED", output[-4000:]
         # one log for all three attempts (--open-mode=append), each with its own rendezvous
         for restart in range(3):
-            assert f"job {job_id} (restart {restart}):" in output and f"id {job_id}-{restart};" in output
+            assert f"job {job_id} (restart {restart}):" in output
+            assert f"rendezvous node1:{20000 + int(job_id)} id {job_id}-{restart}\n" in output
         assert output.count("preemption warning (USR2): forwarding it to the training processes") == 2
         assert output.count(f"the training saved a checkpoint and stopped: requeueing job {job_id}") == 2
         for step in saved:
@@ -157,3 +161,65 @@ def test_submit_py_job_survives_two_preemptions(slurm_cluster, demo, uninterrupt
             assert f"resuming from {output_dir}/checkpoints/step-{step:06d}" in read_log()
         check_same_as_uninterrupted(output_dir, uninterrupted, saved)
         assert not (REPO / "injected").exists() and not list(slurm_cluster.jobs_dir.rglob("injected"))
+
+
+def signal_times(output, signal_number):
+    """When torchrun's agents got the signal: the time of each `Received N death signal` warning
+    (torch's log format `W1123 14:10:47.877000 PID FILE:LINE] ...`, local time, no year)."""
+    pattern = rf"[IWE](\d{{4}}) (\d\d:\d\d:\d\d\.\d+) \d+ \S+\] Received {signal_number} death signal"
+    year = datetime.date.today().year
+    return [datetime.datetime.strptime(f"{year}{day} {time}", "%Y%m%d %H:%M:%S.%f")
+            for day, time in re.findall(pattern, output)]
+
+
+def test_sbatch_job_survives_sigterm_only_preemption(slurm_cluster, demo, uninterrupted):
+    """A job of the `urgent` partition needs the GPUs: slurmctld preempts the training with
+    SIGTERM only. Every rank saves at the end of its step, before the grace time runs out; the
+    job is requeued, gives the nodes to the urgent job, and resumes after it."""
+    output_dir = slurm_cluster.jobs_dir / f"sigterm {HOSTILE}"
+    job_id = slurm_cluster.sbatch(
+        "--nodes=2", "--gpus-per-node=2", *SMALL_NODE, f"slurm/{STEP}.sh", *TRAINING, "--overwrite",
+        extra_env={"MODEL": str(demo / "model"), "DATA_DIR": str(demo / "data"), "OUTPUT_DIR": str(output_dir),
+                   "TOTAL_BATCH_SIZE": str(TOTAL_BATCH), "BATCH_SIZE_PER_DEVICE": str(PER_DEVICE)})
+    log = slurm_cluster.jobs_dir / f"{STEP}-{job_id}.out"
+
+    def read_log():
+        return log.read_text(errors="replace") if log.exists() else ""
+
+    with slurm_cluster.logs_kept_on_failure():
+        slurm_cluster.wait_until(job_id, lambda: len(steps_done(output_dir)) >= 2, START_TIMEOUT_S, "training steps")
+        # One GPU on each node: it fits only once the training's job has left them (whatever the
+        # number of cores here).
+        urgent = slurm_cluster.sbatch("--partition=urgent", "--job-name=urgent", "--nodes=2", "--gpus-per-node=1",
+                                      "--cpus-per-task=1", "--mem=1G", "--time=1", "--wrap=true")
+        slurm_cluster.wait_until(job_id, lambda: len(saved_steps(read_log())) == 1, slurm_cluster.grace_time,
+                                 "a checkpoint after SIGTERM")
+        assert slurm_cluster.wait(urgent, JOB_TIMEOUT_S) == "COMPLETED"
+        state = slurm_cluster.wait(job_id, JOB_TIMEOUT_S)
+        output = read_log()
+        assert state == "COMPLETED", output[-4000:]
+
+        saved = saved_steps(output)
+        assert re.search(rf"preempted: saved a checkpoint at step {saved[0]} in .*\(stopped by SIGTERM\)", output)
+        assert "preemption warning (USR2)" not in output  # SIGTERM was the only signal
+        # Slurm's SIGTERM reached the torchrun of each node (and, from both, every rank)
+        received = signal_times(output, 15)
+        assert len(received) == 2, output[-4000:]
+        for restart in range(2):  # one log for both attempts, each with its own rendezvous
+            assert f"job {job_id} (restart {restart}):" in output
+            assert f"rendezvous node1:{20000 + int(job_id)} id {job_id}-{restart}\n" in output
+        assert f"resuming from {output_dir}/checkpoints/step-{saved[0]:06d}" in output
+        check_same_as_uninterrupted(output_dir, uninterrupted, saved)
+        assert not (REPO / "injected").exists() and not list(slurm_cluster.jobs_dir.rglob("injected"))
+
+        # The checkpoint was complete before the grace time ran out (then SIGKILL), and before the
+        # urgent job had the nodes; the accounting shows the attempt that was preempted.
+        complete = output_dir / f"checkpoints/step-{saved[0]:06d}/COMPLETE"
+        complete_at = datetime.datetime.fromtimestamp(complete.stat().st_mtime)
+        signal_to_checkpoint = (complete_at - min(received)).total_seconds()
+        print(f"SIGTERM to complete checkpoint: {signal_to_checkpoint:.1f} s")
+        assert 0 < signal_to_checkpoint < slurm_cluster.grace_time, (min(received), complete_at)
+        attempts = slurm_cluster.accounted(job_id, "Partition", "Start", "End")
+        assert [a["State"] for a in attempts] in (["REQUEUED", "COMPLETED"], ["PREEMPTED", "COMPLETED"]), attempts
+        (urgent_record,) = slurm_cluster.accounted(urgent, "Start")
+        assert datetime.datetime.fromisoformat(urgent_record["Start"]) >= complete_at.replace(microsecond=0)

@@ -11,10 +11,10 @@ import time
 import psutil
 import pytest
 
-from conftest import REPO, STEP_SCRIPTS, assert_same_run, demo_args, read_metrics, run_step
+from conftest import (REPO, RESUMABLE, RESUMABLE_STEPS, STEP_SCRIPTS, assert_same_run, demo_args, read_metrics,
+                      run_step)
 
-STEPS = 6
-RUN = ["--max_steps", STEPS, "--save_every", 2, "--keep_checkpoints", 2]
+STEPS = RESUMABLE_STEPS
 
 
 def command(step, args, nproc):
@@ -49,22 +49,9 @@ def kill_after_first_checkpoint(step, args, nproc, output_dir, timeout=300):
     assert len(read_metrics(output_dir)) < STEPS, "killed too late to test anything"
 
 
-SPLIT = ["--total_batch_size", 8, "--batch_size_per_device", 2]  # 1 × 2 × 4 or 2 ranks × 2 × 2
+RUN = RESUMABLE[:-4]  # the steps and checkpoints of conftest's RESUMABLE run
+SPLIT = RESUMABLE[-4:]  # its global batch of 8: 1 × 2 × 4 or 2 ranks × 2 × 2
 SPLITS = {"single": (1, SPLIT), "ddp": (2, SPLIT), "fsdp": (2, SPLIT)}
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(demo, tmp_path_factory):
-    """The uninterrupted run of each step, made once for this module's tests."""
-    runs = {}
-
-    def run(step):
-        if step not in runs:
-            nproc, split = SPLITS[step]
-            runs[step] = tmp_path_factory.mktemp(f"uninterrupted-{step}")
-            run_step(step, demo_args(demo, runs[step]) + RUN + split, nproc=nproc)
-        return runs[step]
-    return run
 
 
 @pytest.mark.parametrize("step", SPLITS)

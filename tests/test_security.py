@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, demo_args, run_step
+from conftest import REPO, demo_args, run_step, with_changed
 
 EVIL_MODULE = '''
 from pathlib import Path
@@ -96,7 +96,7 @@ def test_checkpoint_with_code_is_refused_and_the_previous_one_used(demo, tmp_pat
     run = demo_args(demo, output_dir) + ["--max_steps", 2, "--save_every", 1]
     run_step("single", run)
     hostile_pickle(output_dir / "checkpoints/step-000002/state.pt", marker)
-    result = run_step("single", run + ["--resume", "--max_steps", 3])
+    result = run_step("single", with_changed(run, ["--max_steps", 3]) + ["--resume"])
     assert not marker.exists()
     assert "warning: checkpoint" in result.stderr and "step-000002 is unreadable" in result.stderr
     assert "resuming from" in result.stdout + result.stderr and "step-000001" in result.stdout + result.stderr
@@ -112,25 +112,28 @@ def test_fsdp_checkpoint_with_code_is_refused(demo, tmp_path):
     with open(newest / ".metadata", "wb") as out:
         import pickle
         pickle.dump(RunsCode(marker), out)
-    result = run_step("fsdp", run + ["--resume", "--max_steps", 2], nproc=1, check=False)
+    result = run_step("fsdp", with_changed(run, ["--max_steps", 2]) + ["--resume"], nproc=1, check=False)
     assert not marker.exists(), "resuming unpickled the checkpoint's .metadata without restriction"
+    assert "is given twice" not in result.stderr  # refused for its checkpoint, not for its arguments
     assert result.returncode != 0 or "warning: checkpoint" in result.stderr
 
 
-def test_tokenized_cache_with_code_is_refused_and_rebuilt(demo, tmp_path):
-    data, marker = tmp_path / "data", tmp_path / "cache-code-ran"
-    shutil.copytree(demo / "data", data, ignore=shutil.ignore_patterns("tokenized"))
-    args = demo_args(demo, tmp_path / "first") + ["--max_steps", 1]
-    args[3] = data
+def test_prepared_data_with_code_is_refused(demo, tmp_path):
+    """The prepared (tokenized) games are raw arrays read with np.memmap and np.load without
+    pickles: a folder planted in a shared cache can at most be refused, never run code."""
+    import numpy as np
+    prepared, marker = tmp_path / "prepared", tmp_path / "cache-code-ran"
+    args = demo_args(demo, tmp_path / "first") + ["--max_steps", 1, "--no_packing", "--prepared_dir", prepared]
     run_step("single", args)
-    caches = sorted((data / "tokenized").glob("*.pt"))
-    assert caches
-    for cache in caches:
-        hostile_pickle(cache, marker)
+    offsets = sorted(prepared.glob("*/offsets.npy"))
+    assert offsets
+    for path in offsets:
+        np.save(path, np.array([RunsCode(marker)], dtype=object), allow_pickle=True)
     args[5] = tmp_path / "second"
-    result = run_step("single", args)
+    result = run_step("single", args, check=False)
     assert not marker.exists()
-    assert "is unreadable" in result.stderr and "tokenizing again" in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 2 and len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
 
 
 # ---- the Hugging Face token --------------------------------------------------------------------

@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
 # A throw-away Slurm cluster on this one machine, for the tests and for trying the kit's
 # templates: 2 nodes (two slurmd, Debian's slurmd is built with MULTIPLE_SLURMD), 2 fake GPUs
-# each (character devices as GRES), a sacct stand-in (no accounting database).
+# each (character devices as GRES), and real accounting: slurmdbd with its own MariaDB, whose
+# data lives in CLUSTER_DIR/mysql, so `sacct` is the real one. Two partitions make real
+# preemptions possible: `debug` (the default) and `urgent`, whose jobs preempt debug's (requeued,
+# after SIGTERM and a grace time of PREEMPT_GRACE_TIME seconds).
 #
 #   tests/slurm/local_cluster.sh up      # installs the Debian packages if missing (root)
-#   . /tmp/kit-slurm/env.sh              # SLURM_CONF + the sacct stand-in on PATH
+#   . /tmp/kit-slurm/env.sh              # SLURM_CONF
 #   tests/slurm/local_cluster.sh down    # stops exactly what `up` started, by PID
 #
 # Settings (environment): CLUSTER_DIR (default /tmp/kit-slurm), NODES (2), GPUS_PER_NODE (2),
-# SLURMCTLD_PORT (6817), SLURMD_PORT (6818; node i listens on SLURMD_PORT+i-1).
-# Exit status 3 means "cannot run here" (not root, packages cannot be installed): the tests
-# skip on it; any other failure is an error.
+# SLURMCTLD_PORT (6817), SLURMDBD_PORT (6819), SLURMD_PORT (6818; node i listens on
+# SLURMD_PORT+i-1), PREEMPT_GRACE_TIME (60).
+# Everything runs as root without systemd: munged, mariadbd, slurmdbd, slurmctld, one slurmd
+# per node, each started here and stopped by `down` by its PID. A failed `up` stops what it had
+# started. Exit status 3 means "cannot run here" (not root, packages cannot be installed): the
+# tests skip on it; any other failure is an error.
 set -euo pipefail
 
 CLUSTER_DIR=${CLUSTER_DIR:-/tmp/kit-slurm}
@@ -18,6 +24,14 @@ NODES=${NODES:-2}
 GPUS_PER_NODE=${GPUS_PER_NODE:-2}
 SLURMCTLD_PORT=${SLURMCTLD_PORT:-6817}
 SLURMD_PORT=${SLURMD_PORT:-6818}
+SLURMDBD_PORT=${SLURMDBD_PORT:-6819}
+PREEMPT_GRACE_TIME=${PREEMPT_GRACE_TIME:-60}
+DB_DIR=$CLUSTER_DIR/mysql
+DB_SOCKET=$DB_DIR/mysqld.sock
+# Small and quiet: a throw-away database of a few test jobs. slurmdbd logs that it would like a
+# larger buffer pool and redo log ("Database settings not recommended values"); that is for sites.
+DB_OPTIONS=(--no-defaults --user=root "--datadir=$DB_DIR/data" --innodb-buffer-pool-size=32M
+            --innodb-log-file-size=8M --innodb-lock-wait-timeout=900 --max-connections=50)
 HOSTS_MARK="# kit-slurm $CLUSTER_DIR"   # tags the /etc/hosts lines this cluster added
 
 cannot_run() { echo "local Slurm cluster unavailable: $*" >&2; exit 3; }
@@ -33,6 +47,10 @@ install_packages() {
   command -v slurmd >/dev/null || missing+=(slurmd)
   command -v sbatch >/dev/null || missing+=(slurm-client)
   command -v munged >/dev/null || missing+=(munge)
+  command -v slurmdbd >/dev/null || missing+=(slurmdbd)
+  # The server alone (mariadbd and its system tables' SQL): 8 packages with slurmdbd, where
+  # mariadb-server would bring 20 (perl, galera, rsync, ...) that a throw-away database does not need.
+  command -v mariadbd >/dev/null || missing+=(mariadb-server-core)
   ((${#missing[@]} == 0)) && return 0
   echo "installing ${missing[*]} (apt-get) ..."
   export DEBIAN_FRONTEND=noninteractive
@@ -58,6 +76,67 @@ start_munge() {
   local _
   for _ in $(seq 40); do munge -n >/dev/null 2>&1 && return 0; sleep 0.25; done
   fail "munged did not start (see /var/log/munge/munged.log)"
+}
+
+start_database() {
+  # A fresh MariaDB in CLUSTER_DIR/mysql (not /var/lib/mysql): its system tables, and the empty
+  # database slurmdbd fills. `mariadbd --bootstrap` does what mariadb-install-db does, less the
+  # help tables and the sys schema (5 s and 90 MB less), and needs no client package. No network:
+  # slurmdbd connects as root through the socket, in a directory only root can enter.
+  rm -rf "$DB_DIR"
+  mkdir -p "$DB_DIR/data"
+  chmod 700 "$DB_DIR"
+  ((${#DB_SOCKET} < 108)) || fail "CLUSTER_DIR is too long for a Unix socket path: $DB_SOCKET"
+  {
+    printf '%s\n' "CREATE DATABASE IF NOT EXISTS mysql;" "USE mysql;" "SET @auth_root_socket=NULL;"
+    cat /usr/share/mysql/mysql_system_tables.sql /usr/share/mysql/mysql_system_tables_data.sql
+    printf '%s\n' "CREATE DATABASE slurm_acct_db;"
+  } | mariadbd "${DB_OPTIONS[@]}" --bootstrap --log-warnings=0 "--log-error=$CLUSTER_DIR/log/mariadb-bootstrap.log" \
+    >/dev/null 2>&1 || fail "could not create the accounting database (see $CLUSTER_DIR/log/mariadb-bootstrap.log)"
+  # mariadbd stays in the foreground: started in the background, with no terminal or pipe of the
+  # caller's left open, and its PID recorded at once.
+  mariadbd "${DB_OPTIONS[@]}" --skip-networking "--socket=$DB_SOCKET" "--pid-file=$DB_DIR/mariadbd.pid" \
+    "--log-error=$CLUSTER_DIR/log/mariadbd.log" </dev/null >/dev/null 2>&1 &
+  echo $! >"$CLUSTER_DIR/mariadbd.pid"
+  local _
+  for _ in $(seq 120); do
+    [[ -S $DB_SOCKET ]] && return 0
+    pid_alive "$CLUSTER_DIR/mariadbd.pid" || break
+    sleep 0.25
+  done
+  fail "MariaDB did not start (see $CLUSTER_DIR/log/mariadbd.log)"
+}
+
+start_slurmdbd() {
+  # slurmdbd has no option for its configuration file: it reads slurmdbd.conf next to SLURM_CONF.
+  # It must be private (mode 600), or slurmdbd refuses it.
+  (umask 077 && cat >"$CLUSTER_DIR/slurmdbd.conf" <<DBD
+# Accounting daemon of the test cluster (tests/slurm/local_cluster.sh)
+AuthType=auth/munge
+DbdHost=localhost
+DbdPort=$SLURMDBD_PORT
+SlurmUser=root
+StorageType=accounting_storage/mysql
+StorageHost=localhost
+StorageUser=root
+StorageLoc=slurm_acct_db
+PidFile=$CLUSTER_DIR/slurmdbd.pid
+LogFile=$CLUSTER_DIR/log/slurmdbd.log
+DebugLevel=info
+DBD
+  )
+  # The client library finds the socket through MYSQL_UNIX_PORT (slurmdbd.conf has no setting for it).
+  MYSQL_UNIX_PORT=$DB_SOCKET slurmdbd
+  # Register the cluster before slurmctld starts (it would also do so itself, a moment later):
+  # `sacct` shows a job from its submission on. The first success also says slurmdbd is serving.
+  local deadline=$((SECONDS + 30))
+  while ((SECONDS < deadline)); do
+    timeout 5 sacctmgr --immediate add cluster kit >/dev/null 2>&1 && return 0
+    # slurmdbd forks into the background and writes its PID file; gone again means it has failed
+    [[ -s $CLUSTER_DIR/slurmdbd.pid ]] && ! pid_alive "$CLUSTER_DIR/slurmdbd.pid" && break
+    sleep 0.25
+  done
+  fail "slurmdbd did not start (see $CLUSTER_DIR/log/slurmdbd.log)"
 }
 
 make_fake_gpus() {
@@ -109,7 +188,7 @@ write_config() {
   done
   cat >"$CLUSTER_DIR/slurm.conf" <<CONF
 # Throw-away test cluster (tests/slurm/local_cluster.sh): one machine, root daemons,
-# no systemd, no cgroups, no accounting database.
+# no systemd, no cgroups; accounting in slurmdbd (slurmdbd.conf, its MariaDB in mysql/).
 ClusterName=kit
 SlurmctldHost=localhost
 SlurmctldPort=$SLURMCTLD_PORT
@@ -130,8 +209,12 @@ SlurmdDebug=info
 # No cgroups in containers: track processes by parent id (jobs must not leave orphans).
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
+# Accounting: job records in slurmdbd (sacct), with the GPUs and the tasks' memory and CPU use.
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=localhost
+AccountingStoragePort=$SLURMDBD_PORT
+AccountingStorageTRES=gres/gpu
+JobAcctGatherType=jobacct_gather/linux
 JobCompType=jobcomp/none
 SchedulerType=sched/backfill
 # Try waiting jobs every 2 s (default 60): a requeued job then starts again right after its
@@ -146,41 +229,26 @@ MpiDefault=none
 ReturnToService=2
 SlurmdTimeout=300
 InactiveLimit=0
-# Finished jobs stay visible to squeue (and so to the sacct stand-in) for 10 minutes.
+# Finished jobs stay visible to squeue for 10 minutes (the tests read their states there).
 MinJobAge=600
 KillWait=10
 Waittime=0
-${node_lines}PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+# Preemption as most sites do it: a job of a higher partition that needs the nodes preempts the
+# jobs of a lower one. At once, SIGTERM to the processes of their steps (not to the batch shell;
+# no user signal, as without preempt_send_user_signal); GraceTime seconds later, SIGTERM to all
+# of the job, which is requeued, and SIGKILL after KillWait. A job that ends within its grace
+# time is not requeued by Slurm (it is COMPLETED or FAILED): it has to requeue itself.
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+${node_lines}PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=$PREEMPT_GRACE_TIME
+PartitionName=urgent Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
 CONF
 }
 
-write_sacct_standin() {
-  # submitit polls `sacct -o JobID,State,NodeList --parsable2 -j ID`; without slurmdbd the real
-  # sacct fails and a job that died early would look unfinished forever. This one answers from
-  # slurmctld's memory of recent jobs (MinJobAge).
-  cat >"$CLUSTER_DIR/bin/sacct" <<'SACCT'
-#!/usr/bin/env bash
-# sacct stand-in for the local test cluster (no accounting database): JobID|State|NodeList
-# of the jobs given with -j/--jobs, from `squeue --states=all`.
-job_ids=()
-while (($# > 0)); do
-  case $1 in
-    -j | --jobs) job_ids+=("$2"); shift 2 ;;
-    -j* ) job_ids+=("${1#-j}"); shift ;;
-    --jobs=*) job_ids+=("${1#--jobs=}"); shift ;;
-    *) shift ;;
-  esac
-done
-echo "JobID|State|NodeList"
-((${#job_ids[@]} > 0)) || exit 0
-squeue --noheader --states=all --jobs="$(IFS=,; echo "${job_ids[*]}")" --format="%i|%T|%N" 2>/dev/null
-exit 0
-SACCT
-  chmod +x "$CLUSTER_DIR/bin/sacct"
+write_environment() {
   cat >"$CLUSTER_DIR/env.sh" <<ENV
 # Source this to use the local test cluster: . $CLUSTER_DIR/env.sh
 export SLURM_CONF=$CLUSTER_DIR/slurm.conf
-export PATH=$CLUSTER_DIR/bin:\$PATH
 ENV
 }
 
@@ -196,39 +264,57 @@ wait_until_idle() {
 }
 
 up() {
-  [[ $(id -u) == 0 ]] || cannot_run "needs root (daemons, fake GPU devices, /etc/hosts)"
-  mkdir -p "$CLUSTER_DIR/log" "$CLUSTER_DIR/bin"
+  ((EUID == 0)) || cannot_run "needs root (daemons, fake GPU devices, /etc/hosts)"
   if pid_alive "$CLUSTER_DIR/slurmctld.pid"; then
     fail "a cluster is already running in $CLUSTER_DIR: run '$0 down' first"
   fi
+  rm -rf "$CLUSTER_DIR/log"   # a fresh cluster: fresh logs (the daemons append)
+  mkdir -p "$CLUSTER_DIR/log"
+  # From here on, a failure stops whatever had been started (and keeps the exit status).
+  trap 'status=$?; if ((status != 0)); then set +e; echo "cleaning up the half-started cluster" >&2; down >&2; fi' EXIT
   install_packages
   rm -rf "$CLUSTER_DIR/state" "$CLUSTER_DIR"/spool-*   # a fresh cluster: job ids start at 1
   mkdir -p "$CLUSTER_DIR/state"
   start_munge
   make_fake_gpus
   write_config
-  write_sacct_standin
+  write_environment
   add_host_names
   export SLURM_CONF=$CLUSTER_DIR/slurm.conf
+  start_database
+  start_slurmdbd
   # Both daemons fork into the background and write the PID files named in slurm.conf.
   slurmctld -f "$SLURM_CONF"
   local node
   for node in $(node_names); do slurmd -f "$SLURM_CONF" -N "$node"; done
   wait_until_idle
-  sinfo --Node --format="%N %T %c %m %G"
+  trap - EXIT
+  sinfo --Node --format="%N %P %T %c %m %G"
   echo "Slurm is up: . $CLUSTER_DIR/env.sh"
 }
 
-stop_pid_file() {
-  local pid_file=$1 pid _
-  [[ -s $pid_file ]] || return 0
-  pid=$(cat "$pid_file")
-  if kill "$pid" 2>/dev/null; then
-    for _ in $(seq 40); do kill -0 "$pid" 2>/dev/null || break; sleep 0.25; done
-    kill -0 "$pid" 2>/dev/null && kill -KILL "$pid" 2>/dev/null
-    echo "stopped $(basename "$pid_file" .pid) ($pid)"
-  fi
-  rm -f "$pid_file"
+stop_daemons() {
+  # NAME:PID_FILE ...: stop, all at once, the processes the files name if each is still NAME (a
+  # PID can be reused); SIGKILL for any still there after 10 s.
+  local entry name pid_file pid pids=() _
+  for entry in "$@"; do
+    name=${entry%%:*}
+    pid_file=${entry#*:}
+    [[ -s $pid_file ]] || { rm -f "$pid_file"; continue; }
+    pid=$(cat "$pid_file")
+    if [[ $(cat "/proc/$pid/comm" 2>/dev/null) == "$name" ]] && kill "$pid" 2>/dev/null; then
+      pids+=("$pid")
+      echo "stopping $(basename "$pid_file" .pid) ($pid)"
+    fi
+    rm -f "$pid_file"
+  done
+  ((${#pids[@]} > 0)) || return 0
+  for _ in $(seq 100); do
+    kill -0 "${pids[@]}" 2>/dev/null || return 0   # true while any of them is alive
+    sleep 0.1
+  done
+  echo "still running after 10 s, killed: ${pids[*]}"
+  kill -KILL "${pids[@]}" 2>/dev/null || true
 }
 
 stop_leftover_job_processes() {
@@ -270,18 +356,22 @@ cancel_jobs() {
 }
 
 down() {
-  local pid_file
+  local pid_file daemons=()
   cancel_jobs
-  for pid_file in "$CLUSTER_DIR"/slurmd-*.pid "$CLUSTER_DIR/slurmctld.pid"; do
-    [[ -e $pid_file ]] && stop_pid_file "$pid_file"
+  for pid_file in "$CLUSTER_DIR"/slurmd-*.pid; do
+    [[ -e $pid_file ]] && daemons+=("slurmd:$pid_file")
   done
+  # All at once (3 s instead of 6 one after the other): `up` throws the state and the accounting
+  # database away, so nothing needs to reach slurmdbd or the disk in order.
+  stop_daemons "${daemons[@]}" "slurmctld:$CLUSTER_DIR/slurmctld.pid" "slurmdbd:$CLUSTER_DIR/slurmdbd.pid" \
+    "mariadbd:$CLUSTER_DIR/mariadbd.pid" "munged:$CLUSTER_DIR/munged.pid"
   stop_leftover_job_processes
-  stop_pid_file "$CLUSTER_DIR/munged.pid"
   remove_host_names
 }
 
 case ${1:-} in
   up) up ;;
   down) down ;;
-  *) echo "usage: $0 up|down   (settings: CLUSTER_DIR NODES GPUS_PER_NODE SLURMCTLD_PORT SLURMD_PORT)" >&2; exit 2 ;;
+  *) echo "usage: $0 up|down   (settings: CLUSTER_DIR NODES GPUS_PER_NODE SLURMCTLD_PORT SLURMDBD_PORT" \
+       "SLURMD_PORT PREEMPT_GRACE_TIME)" >&2; exit 2 ;;
 esac

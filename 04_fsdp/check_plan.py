@@ -1,0 +1,483 @@
+"""Will a step-4/5 job fit in GPU memory? The plan check runs the job's own code on fake tensors.
+
+    python 04_fsdp/check_plan.py --gpus_per_node 8 --nodes 8 --max_seq_length 4096 --gradient_checkpointing
+    python 04_fsdp/check_plan.py --gpus_per_node 1 --lora --json       # step 5 on one GPU, as JSON
+    python 04_fsdp/check_plan.py --model demo/model --gpus_per_node 2 --max_seq_length 256
+    python 04_fsdp/check_plan.py --compare_table                       # CodeLlama-7b, next to estimate_memory.py
+
+No GPU is needed and no weights are read: only the model's config (`--model` is a local directory,
+a config.json, or a Hugging Face id in the local cache; for codellama/CodeLlama-7b-hf the kit's
+copy of its config serves when the cache lacks it). CodeLlama-7b on 64 ranks takes about 20 s of
+CPU and 0.4 GiB of RAM. Exit status 1 when the job does not fit; 04_fsdp/MEMORY.md has more.
+
+How. PyTorch's FakeTensorMode gives tensors shapes and dtypes but no memory, and a fake process
+group lets this process be rank 0 of a job of 1 to 512 ranks. The model is made as every rank of
+a real run makes it (common/sharded_loading.py): built from its config on the meta device,
+prepared and sharded by the training scripts' own functions (04_fsdp/train.py's build_mesh,
+shard_model and precision policy; 05_lora/train.py's, with its add_lora, for --lora; activation
+checkpointing, CPU offload), then given storage: fake storage here. Two optimiser steps of the
+job's micro-batches then run as train.py runs them, with its AdamW, under PyTorch's
+FSDPMemTracker, which files every live tensor under a category: sharded and gathered parameters,
+gradients, AdamW state, activations, backward temporaries, all-gather and reduce-scatter buffers.
+
+What counts is the second step:
+  * step 1 takes one micro-batch, so that AdamW's state exists. It is not measured: fake tensors
+    over-count the first call of a few operations (AdamW's lazy state, gradient clipping); with
+    real tensors step 1 never holds more than step 2, and step 2's figures are the same with
+    fake and real tensors (checked on the demo model).
+  * step 2 runs the micro-batches as the job does, with --accumulate_unsharded's switches. Those
+    after the second repeat its memory exactly, so only the first, the second and the last run.
+  * AdamW is multi-tensor (foreach) as on a GPU: it holds one temporary copy of exp_avg_sq during
+    the step. With --cpu_offload the step runs on the CPU, one tensor at a time, as there.
+  * no attention mask: rows are packed, and Hugging Face, given a mask of ones, uses none.
+The peak is rank 0's (it holds the largest shards when a dimension does not divide evenly).
+
+What it cannot see, and the margin for it. The tracker counts tensors. The CUDA context and
+cuBLAS workspaces (about 1 GiB) and NCCL's buffers (more with more ranks) are not tensors, and
+PyTorch's caching allocator holds more than is allocated (fragmentation, typically 5 to 15 %);
+attention runs the CPU's kernel, which like FlashAttention keeps no s x s matrix but has its own
+temporaries. The verdict therefore adds estimate_memory.py's margin, 3 GiB + 10 % of the peak,
+before comparing with --gpu_memory_gib (default: this machine's GPU, else 80).
+
+With --cpu_offload the fake run has a single device, the CPU: the sharded parameters, gradients
+and AdamW state (and the optimizer step) that the real job keeps in host RAM are left out of the
+GPU figure and reported as host RAM.
+"""
+import argparse
+import gc
+import itertools
+import json
+import sys
+import time
+from datetime import date
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+from common.arguments import Parser
+from common.batch import gradient_accumulation_steps
+from common.data import count_loss_tokens, loss_sum
+from common.errors import UserError, exit_on_user_error
+from common.model import build_model, enable_gradient_checkpointing
+from common.optim import make_optimizer
+from common.steps import check_training_arguments, load_script, load_step
+
+GiB = 1024 ** 3
+MAX_RANKS = 512
+
+# FSDPMemTracker's categories, in the order they are reported, with the names used here.
+CATEGORIES = {"Sharded Param": "parameters", "Sharded Grad": "gradients", "OptState": "optimizer_state",
+              "Unsharded Param": "gathered_parameters", "Unsharded Grad": "unsharded_gradients",
+              "All Gather": "all_gather_buffers", "Reduce Scatter": "reduce_scatter_buffers",
+              "Activation": "activations", "Temp": "backward_temporaries", "Buffer": "buffers", "Inputs": "inputs"}
+LABELS = {"parameters": "parameters (fp32 shards)", "gradients": "gradients (fp32 shards)",
+          "optimizer_state": "AdamW exp_avg + exp_avg_sq (fp32 shards)",
+          "optimizer_temporaries": "optimizer step temporaries",
+          "gathered_parameters": "gathered parameters (compute dtype)",
+          "unsharded_gradients": "unsharded gradients", "all_gather_buffers": "all-gather buffers",
+          "reduce_scatter_buffers": "reduce-scatter buffers (fp32)", "activations": "activations",
+          "backward_temporaries": "backward temporaries (activations' gradients, recomputed layer)",
+          "buffers": "buffers (RoPE tables)", "inputs": "inputs (token ids and labels)"}
+# Where the real job keeps them with --cpu_offload: host RAM, not the GPU.
+OFFLOADED = ("Sharded Param", "Sharded Grad", "OptState")
+
+
+class PlanUnavailable(UserError):
+    """The plan check cannot run this job (an architecture it cannot shard or build on fake
+    tensors, QLoRA): say so, and let the job go ahead unchecked."""
+
+
+estimate_memory = load_script("04_fsdp/estimate_memory.py")
+LORA_DEFAULTS = {"lora_rank": estimate_memory.LORA_RANK, "lora_target_modules": estimate_memory.LORA_TARGETS}
+
+
+# ---- the measurement ------------------------------------------------------------------------------
+
+class PhaseTracker(FSDPMemTracker):
+    """FSDPMemTracker that also keeps, for each phase of the loop ("step 2, forward of micro-batch
+    1 of 1", ...), the most memory the GPU held during it and the categories at that moment."""
+
+    def __init__(self, model, optimizer, on_host):
+        super().__init__(model, optimizer)
+        self.on_host = [_FSDPRefType(name) for name in on_host]  # kept in host RAM by the real job
+        self.phase = None  # None: not measured
+        self.phase_peaks = {}  # phase -> (GPU bytes, {category name: bytes})
+
+    def _update_peak_stats(self, peak_state):
+        # Called after every operation. In place of the tracker's own per-module peaks (a walk over
+        # all modules each time: a fifth of the run time), one peak per phase of the loop.
+        if self.phase is None:
+            return
+        for snapshot in self._curr_mem_snap.values():  # one device: the CPU stands in for the GPU
+            on_gpu = snapshot["Total"] - sum(snapshot.get(key, 0) for key in self.on_host)
+            if on_gpu > self.phase_peaks.get(self.phase, (-1, None))[0]:
+                self.phase_peaks[self.phase] = (on_gpu, {getattr(key, "value", key): value
+                                                         for key, value in snapshot.items()})
+
+
+def local_bytes(tensor):
+    """Bytes of this rank's piece of a parameter, gradient or AdamW tensor (as benchmark/state_bytes.py)."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.numel() * local.element_size()
+
+
+def state_bytes(model, optimizer):
+    """Rank 0's parameters, gradients and AdamW state, after the optimiser step."""
+    params = list(model.parameters())
+    return {"parameters": sum(local_bytes(p) for p in params),
+            "gradients": sum(local_bytes(p.grad) for p in params if p.grad is not None),
+            "optimizer": sum(local_bytes(value) for state in optimizer.state.values()
+                             for name, value in state.items() if name != "step")}
+
+
+def build(args, step, mesh, config, fake_mode):
+    """The model as the step script prepares it, sharded, with fake storage; and its AdamW.
+    As common/sharded_loading.py does on every rank: build and prepare the model on the meta
+    device, shard it, then give it storage (here fake storage: to_empty under FakeTensorMode)."""
+    module = load_step(step)
+    with torch.device("meta"):
+        try:
+            model = build_model(config, args.trust_remote_code)
+        except Exception as err:  # whatever the architecture's code raises: the check cannot run, the job may
+            raise PlanUnavailable(f"cannot build {args.model} from its config ({estimate_memory.first_line(err)})") \
+                from None
+        if args.gradient_checkpointing:  # before sharding, as in train.py
+            enable_gradient_checkpointing(model)
+        if step == "lora":
+            model = module.add_lora(model, args)
+    try:
+        module.decoder_layers(model)
+    except UserError as err:
+        raise PlanUnavailable(str(err)) from None
+    precision = args.precision or "bf16"  # what train.py uses on a GPU
+    mp_policy = MixedPrecisionPolicy(param_dtype=module.PRECISIONS[precision], reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy(pin_memory=False) if args.cpu_offload else OffloadPolicy()  # no pinning without CUDA
+    module.shard_model(model, mesh, args.sharding_strategy, mp_policy, offload)
+    with fake_mode:
+        model.to_empty(device="cpu")
+        # Multi-tensor AdamW, as PyTorch picks on a GPU; offloaded, the step runs on the CPU, one tensor at a time.
+        optimizer = make_optimizer(model, args, foreach=not args.cpu_offload)
+    return model, optimizer
+
+
+def run_steps(model, optimizer, tracker, args, world_size, accumulation, vocab_size):
+    """Two optimiser steps as train.py takes them; the tracker measures the second."""
+    rows, length = args.batch_size_per_device, args.max_seq_length
+
+    def micro_batch():
+        # Packed rows have no padding: given a mask of ones, Hugging Face runs causal attention with
+        # no mask at all. It cannot tell ones on fake tensors and would keep an s x s mask in every
+        # layer, so the check passes no mask, which takes the same path.
+        ids = torch.randint(0, vocab_size, (rows, length))
+        return {"input_ids": ids, "labels": ids.clone(), "attention_mask": None}
+
+    for step, count in ((1, 1), (2, accumulation)):
+        batches = [micro_batch() for _ in range(count)]  # train.py moves a step's micro-batches at once
+        tracker.track_inputs((batches,))
+        step_tokens = sum(count_loss_tokens(batch) for batch in batches)
+        # The micro-batches between the second and the last repeat the second's memory exactly.
+        for i in sorted({0, 1, count - 1} & set(range(count))):
+            where = f"step {step}, {{}} micro-batch {i + 1} of {count}"
+            if args.accumulate_unsharded:  # train.py's switches: keep everything until the last micro-batch
+                keep = i < count - 1
+                model.set_requires_gradient_sync(not keep)
+                model.set_reshard_after_forward(not keep and args.sharding_strategy != "SHARD_GRAD_OP")
+                model.set_reshard_after_backward(not keep)
+            tracker.reset_mod_stats()  # FSDPMemTracker's module statistics hold one forward at a time
+            tracker.phase = where.format("forward of") if step == 2 else None
+            loss = loss_sum(model, batches[i])
+            tracker.phase = where.format("backward of") if step == 2 else None
+            (loss * world_size / step_tokens).backward()
+        tracker.phase = f"step {step}, optimizer step" if step == 2 else None
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).full_tensor()
+        optimizer.step()
+        if step == 2:
+            state = state_bytes(model, optimizer)
+        optimizer.zero_grad(set_to_none=True)
+    tracker.phase = None
+    return state
+
+
+def plan(args, gpus_per_node, nodes=1, step="fsdp", gpu_memory_gib=None):
+    """Rank 0's memory for the job that `args` (04_fsdp's or 05_lora's parsed training arguments)
+    describes, on `nodes` x `gpus_per_node` GPUs; a dict of bytes, the peak's moment and the
+    verdict. Raises PlanUnavailable where the check cannot run, UserError for a job that cannot start."""
+    started = time.perf_counter()
+    if step not in ("fsdp", "lora"):
+        raise PlanUnavailable(f"the plan check is for the FSDP steps (fsdp, lora), not {step}")
+    world_size = gpus_per_node * nodes
+    if not 1 <= world_size <= MAX_RANKS:
+        raise UserError(f"the plan check runs 1 to {MAX_RANKS} ranks (got {nodes} x {gpus_per_node} = {world_size})")
+    if getattr(args, "qlora", False):
+        raise PlanUnavailable("QLoRA's 4-bit base model (bitsandbytes, CUDA) cannot be built on fake tensors: "
+                              "see `python 04_fsdp/estimate_memory.py --qlora` for the formula's figure")
+    if dist.is_initialized():
+        raise PlanUnavailable("a process group is already running in this process")
+    accumulation = gradient_accumulation_steps(args.total_batch_size, args.batch_size_per_device, world_size)
+    config, source = estimate_memory.load_config(args.model)
+    gpu_memory_gib = estimate_memory.gpu_memory_default() if gpu_memory_gib is None else gpu_memory_gib
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        # The mesh outside fake mode: making it runs real (fake-backend) collectives on real tensors.
+        mesh = load_step(step).build_mesh(args.sharding_strategy, "cpu", world_size,
+                                          args.shard_group_size or gpus_per_node)
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)  # to_empty reads the meta model's tensors
+        model, optimizer = build(args, step, mesh, config, fake_mode)
+        with fake_mode:
+            tracker = PhaseTracker(model, optimizer, OFFLOADED if args.cpu_offload else ())
+            try:
+                with tracker:
+                    state = run_steps(model, optimizer, tracker, args, world_size, accumulation, config.vocab_size)
+            except Exception as err:  # an operation fake tensors cannot run: unchecked, not refused
+                raise PlanUnavailable(f"the model's code failed on fake tensors ({type(err).__name__}: "
+                                      f"{estimate_memory.first_line(err)})") from None
+            parameters = sum(p.numel() for p in model.parameters())
+            trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            phase_peaks = tracker.phase_peaks
+            del model, optimizer, tracker
+    finally:
+        gc.collect()  # FSDP modules sit in reference cycles: free them while the group exists
+        dist.destroy_process_group()
+    result = summarise(phase_peaks, state, offloaded=args.cpu_offload)
+    result.update(
+        model=source, parameters=parameters, trainable_parameters=trainable, step=step, ranks=world_size,
+        gpus_per_node=gpus_per_node, nodes=nodes, sharding_strategy=args.sharding_strategy,
+        shard_group_size=args.shard_group_size or gpus_per_node, precision=args.precision or "bf16",
+        max_seq_length=args.max_seq_length, batch_size_per_device=args.batch_size_per_device,
+        accumulation=accumulation, gradient_checkpointing=args.gradient_checkpointing, cpu_offload=args.cpu_offload,
+        accumulate_unsharded=args.accumulate_unsharded, gpu_memory_gib=gpu_memory_gib,
+        needed=estimate_memory.needed_bytes(result["peak"]),
+        fits=estimate_memory.fits(result["peak"], gpu_memory_gib))
+    # The formulas' figures for the same job, and, where it does not fit, the changes that would fit
+    # (none where the formulas do not know the model: they are written for Llama-style decoders).
+    result.update(estimate=None, would_fit_with=[])
+    try:
+        shape = estimate_memory.model_shape(config, args.model)
+    except UserError:
+        shape = None
+    if shape is not None:
+        result["estimate"] = estimate_memory.estimate_job(shape, args, gpus_per_node, nodes, lora=step == "lora")
+        if not result["fits"]:
+            result["would_fit_with"] = changes_that_fit(shape, args, gpus_per_node, nodes, step, gpu_memory_gib)
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    return result
+
+
+def changes_that_fit(shape, args, gpus_per_node, nodes, step, gpu_memory_gib):
+    """One-change alternatives that fit by estimate_memory.py's formulas (instant, unlike a plan
+    check each), cheapest first: what the refusal suggests."""
+    def fits_with(gpus=gpus_per_node, nodes_=nodes, lora=step == "lora", **changes):
+        job = argparse.Namespace(**{**vars(args), **changes})
+        if job.total_batch_size % (job.batch_size_per_device * gpus * nodes_):
+            job.total_batch_size = job.batch_size_per_device * gpus * nodes_  # the count the refusal names
+        estimate = estimate_memory.estimate_job(shape, job, gpus, nodes_, lora=lora)
+        return estimate_memory.fits(estimate["peak"], gpu_memory_gib)
+
+    found = []
+    if not args.gradient_checkpointing and fits_with(gradient_checkpointing=True):
+        found.append("--gradient_checkpointing")
+    smaller = [b for b in range(args.batch_size_per_device - 1, 0, -1) if args.batch_size_per_device % b == 0]
+    if fitting := [b for b in smaller if fits_with(batch_size_per_device=b)]:
+        found.append(f"--batch_size_per_device {fitting[0]}")
+    if args.sharding_strategy != "FULL_SHARD" and fits_with(sharding_strategy="FULL_SHARD"):
+        found.append("--sharding_strategy FULL_SHARD")
+    if args.sharding_strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):  # more GPUs share the state
+        more = [n for n in (nodes * 2 ** k for k in range(1, 10)) if n * gpus_per_node <= MAX_RANKS]
+        if fitting := [n for n in more if fits_with(nodes_=n)]:
+            found.append(f"{fitting[0] * gpus_per_node} GPUs (--nodes {fitting[0]})")
+    if not args.cpu_offload and fits_with(cpu_offload=True):
+        found.append("--cpu_offload")
+    if step == "fsdp" and fits_with(lora=True, **LORA_DEFAULTS):
+        found.append("step 5 (LoRA)")
+    return found
+
+
+def gib(n):
+    return f"{n / GiB:.1f}"
+
+
+def verdict_line(result):
+    """One line: does the job fit, the figure, and if not what to change."""
+    margin = result["needed"] - result["peak"]
+    where = f"peak {gib(result['peak'])} GiB at {result['peak_at']} + {gib(margin)} GiB margin"
+    if result["fits"]:
+        return (f"plan check: fits: {gib(result['needed'])} of {result['gpu_memory_gib']:g} GiB per GPU needed "
+                f"({where})")
+    changes = result["would_fit_with"]
+    advice = (f"by the estimate it would fit with {', or '.join(changes)}" if changes
+              else "no single change fits by the estimate: combine them (python 04_fsdp/estimate_memory.py)")
+    return (f"plan check: does NOT fit: {gib(result['needed'])} GiB per GPU needed ({where}), a GPU has "
+            f"{result['gpu_memory_gib']:g} GiB; {advice}")
+
+
+def summarise(phase_peaks, state, offloaded):
+    """The peak over step 2's phases, what made it up, and each phase's peak and its parts."""
+    def parts(snapshot):
+        on_gpu = {name: snapshot.get(key, 0) for key, name in CATEGORIES.items()
+                  if not (offloaded and key in OFFLOADED)}
+        if not offloaded:  # during the step AdamW's temporaries are filed with its state: part them
+            on_gpu["optimizer_temporaries"] = max(0, on_gpu["optimizer_state"] - state["optimizer"])
+            on_gpu["optimizer_state"] -= on_gpu["optimizer_temporaries"]
+        return on_gpu
+    phases = {phase: {"total": gpu, **parts(snapshot)} for phase, (gpu, snapshot) in phase_peaks.items()}
+    peak_at = max(phases, key=lambda phase: phases[phase]["total"])
+    return {"peak": phases[peak_at]["total"], "peak_at": peak_at,
+            "at_peak": {name: value for name, value in phases[peak_at].items() if name != "total"},
+            "phases": phases, "state": state, "host_per_rank": sum(state.values()) if offloaded else 0}
+
+
+# ---- the command line -----------------------------------------------------------------------------
+
+COMPARE_RANKS = [1, 2, 4, 8, 64]
+
+
+def training_arguments(args, gpus_per_node, nodes, **changes):
+    """The command line's job as the step script itself parses it: its checks, its defaults for
+    everything the memory does not depend on (learning rate, LoRA alpha, ...)."""
+    job = {**vars(args), **changes}
+    argv = ["--output_dir", "(plan check: nothing is written)", "--model", job["model"],
+            "--sharding_strategy", job["sharding_strategy"], "--precision", job["precision"],
+            "--max_seq_length", job["max_seq_length"], "--batch_size_per_device", job["batch_size_per_device"],
+            "--total_batch_size", job["total_batch_size"] or job["batch_size_per_device"] * gpus_per_node * nodes]
+    argv += ["--shard_group_size", job["shard_group_size"]] if job["shard_group_size"] else []
+    argv += [f"--{flag}" for flag in ("gradient_checkpointing", "cpu_offload", "accumulate_unsharded",
+                                      "trust_remote_code") if job[flag]]
+    if job["lora"]:
+        argv += ["--lora_rank", job["lora_rank"], "--lora_target_modules", ",".join(job["lora_target_modules"])]
+    return load_step("lora" if job["lora"] else "fsdp").parse_arguments([str(a) for a in argv])
+
+
+def size(n):
+    return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / 2**20:.1f} MiB"
+
+
+def report(result):
+    """The plan check's figures for people."""
+    lines = [f"model: {result['model']}: {result['parameters']:,} parameters, "
+             f"{result['trainable_parameters']:,} trained ({'step 5, LoRA' if result['step'] == 'lora' else 'step 4'})",
+             f"{result['sharding_strategy']} on {result['nodes']} node(s) x {result['gpus_per_node']} GPU(s) = "
+             f"{result['ranks']} ranks, {result['precision']} compute, sequence {result['max_seq_length']}, batch "
+             f"{result['batch_size_per_device']} per GPU x {result['accumulation']} micro-batch(es) per step"
+             + (" kept unsharded between them" if result["accumulate_unsharded"] else "")
+             + (", activation checkpointing" if result["gradient_checkpointing"] else "")
+             + (", CPU offload" if result["cpu_offload"] else ""),
+             f"measured on fake tensors: two optimiser steps of the training code in {result['seconds']:.0f} s", "",
+             f"rank 0's GPU at the peak, {result['peak_at']}:"]
+    lines += [f"  {LABELS[name]:60s} {size(value):>10s}" for name, value in result["at_peak"].items() if value]
+    lines += [f"  {'peak':60s} {size(result['peak']):>10s}",
+              f"  {'margin (3 GiB CUDA context/NCCL + 10 % fragmentation)':60s} "
+              f"{size(result['needed'] - result['peak']):>10s}", f"  {'needed':60s} {size(result['needed']):>10s}", "",
+              "peak of each phase of step 2: " + ", ".join(f"{phase.removeprefix('step 2, ')} {size(parts['total'])}"
+                                                           for phase, parts in result["phases"].items()),
+              "state per rank after the optimiser step: " + ", ".join(
+                  f"{name} {size(value)}" for name, value in result["state"].items())
+              + (" (in host RAM: --cpu_offload)" if result["cpu_offload"] else ""),
+              f"estimate_memory.py's formulas for the same job: peak {size(result['estimate']['peak'])}"
+              if result["estimate"] else "estimate_memory.py's formulas do not know this model", "",
+              verdict_line(result)]
+    return "\n".join(lines)
+
+
+def compare_table(args):
+    """Markdown: the plan check next to estimate_memory.py at 1, 2, 4, 8 and 64 ranks, every
+    strategy, with and without activation checkpointing and LoRA (takes a while: 80 plan checks)."""
+    import transformers
+    command = "python 04_fsdp/check_plan.py " + " ".join(sys.argv[1:])
+    lines = [f"`{command}`, {date.today().isoformat()}, torch {torch.__version__}, transformers "
+             f"{transformers.__version__}: {args.model}, {args.precision}, sequence {args.max_seq_length}, batch "
+             f"{args.batch_size_per_device} per GPU, nodes of {args.gpus_per_node} GPUs (HYBRID_SHARD shards "
+             "inside one). GiB per GPU, plan check / estimate; Δ = estimate vs plan.", "",
+             "| ranks | strategy | checkpointing | LoRA | params | grads | AdamW | peak | Δ peak | plan's peak at |",
+             "|---:|---|---|---|---:|---:|---:|---:|---:|---|"]
+    worst = {"state": 0.0, "peak": 0.0}
+    for lora, checkpointing, ranks, strategy in itertools.product(
+            (False, True), (False, True), COMPARE_RANKS, estimate_memory.STRATEGIES):
+        per_node = min(ranks, args.gpus_per_node)
+        job = training_arguments(args, per_node, ranks // per_node, lora=lora, gradient_checkpointing=checkpointing,
+                                 sharding_strategy=strategy, shard_group_size=None, total_batch_size=None)
+        result = plan(job, per_node, ranks // per_node, "lora" if lora else "fsdp", args.gpu_memory_gib)
+        estimate = result["estimate"]
+        cells = []
+        for name in ("parameters", "gradients", "optimizer"):
+            measured = result["state"][name]
+            worst["state"] = max(worst["state"], abs(estimate[name] - measured) / measured)
+            cells.append(f"{measured / GiB:.2f} / {estimate[name] / GiB:.2f}")
+        difference = (estimate["peak"] - result["peak"]) / result["peak"]
+        worst["peak"] = max(worst["peak"], abs(difference))
+        lines.append(f"| {ranks} | {strategy} | {'yes' if checkpointing else 'no'} | {'yes' if lora else 'no'} | "
+                     + " | ".join(cells) + f" | {result['peak'] / GiB:.2f} / {estimate['peak'] / GiB:.2f} "
+                     f"| {difference:+.1%} "
+                     f"| {result['peak_at'].removeprefix('step 2, ')} |")
+        print(f"{ranks} {strategy} checkpointing={checkpointing} lora={lora}: {result['seconds']:.0f} s",
+              file=sys.stderr, flush=True)
+    lines += ["", f"Largest difference: {worst['state']:.1%} on params, grads and AdamW state (allowed 5 %), "
+                  f"{worst['peak']:.1%} on the peak (allowed 15 %)."]
+    return "\n".join(lines)
+
+
+def check_job(step, args, gpus_per_node, nodes, gpu_memory_gib, override):
+    """The check before a job starts (submit.py, the Slurm templates): one verdict line, or a
+    UserError naming the figure and what to change; `override` says how to run it anyway."""
+    try:
+        result = plan(args, gpus_per_node, nodes, step, gpu_memory_gib)
+    except PlanUnavailable as why:
+        print(f"plan check: not run: {why}; the job goes ahead unchecked", flush=True)
+        return None
+    if not result["fits"]:
+        raise UserError(f"{verdict_line(result)} ({override} runs it anyway)")
+    print(f"{verdict_line(result)} ({result['seconds']:.0f} s)", flush=True)
+    return result
+
+
+def check_training_job(argv):
+    """`check_plan.py --gpus_per_node N --nodes M [--step lora] -- TRAINING ARGUMENTS`: the check of
+    a job given as the training script's own arguments (what slurm/fsdp.sh runs before training)."""
+    own, training_args = argv[:argv.index("--")], argv[argv.index("--") + 1:]
+    parser = Parser("the plan check of a job given by its training arguments (after --)")
+    parser.add("step", choices=["fsdp", "lora"], default="fsdp", help="04_fsdp or 05_lora")
+    parser.add("gpus_per_node", type=int, required=True, help="GPUs (ranks) per node")
+    parser.add("nodes", type=int, default=1, help="nodes")
+    parser.add("gpu_memory_gib", type=float, default=None, help="memory of one GPU (default: this machine's, else 80)")
+    parser.add("override", default="--force", help="how the refusal says to run the job anyway")
+    args = parser.parse_args(own)
+    job = check_training_arguments(args.step, training_args)
+    check_job(args.step, job, args.gpus_per_node, args.nodes, args.gpu_memory_gib, args.override)
+    return 0
+
+
+def parse_arguments(argv=None):
+    parser = Parser(__doc__.split("\n\n")[0])
+    estimate_memory.add_job_options(parser)
+    parser.add("trust_remote_code", action="store_true", help="let the model directory's own code build the model")
+    parser.add("json", action="store_true", help="print the figures as JSON (bytes)")
+    parser.add("compare_table", action="store_true",
+               help=f"markdown: this check next to estimate_memory.py at {COMPARE_RANKS} ranks x every strategy, "
+                    "with and without activation checkpointing and LoRA (about 80 plan checks)")
+    args = parser.parse_args(argv)
+    estimate_memory.check_job_options(args)
+    if not 1 <= args.gpus_per_node * args.nodes <= MAX_RANKS:
+        raise UserError(f"the plan check runs 1 to {MAX_RANKS} ranks (got {args.nodes} x {args.gpus_per_node})")
+    return args
+
+
+def main(argv=None):
+    """Exit status 0: the job fits; 1: it does not (2, an error line, when checking training arguments)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if "--" in argv:
+        return check_training_job(argv)
+    args = parse_arguments(argv)
+    if args.compare_table:
+        print(compare_table(args))
+        return 0
+    result = plan(training_arguments(args, args.gpus_per_node, args.nodes), args.gpus_per_node, args.nodes,
+                  "lora" if args.lora else "fsdp", args.gpu_memory_gib)
+    print(json.dumps(result, indent=1) if args.json else report(result))
+    return 0 if result["fits"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(exit_on_user_error(main))

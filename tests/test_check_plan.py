@@ -1,0 +1,190 @@
+"""04_fsdp/check_plan.py, the plan check: it agrees with estimate_memory.py's formulas on a small
+Llama (the 7B table is in 04_fsdp/MEMORY.md), its verdict names the figure and what to change,
+it says so where it cannot run, and its per-rank state bytes are those of a real 2-rank run."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from common.steps import load_script
+from conftest import REPO
+
+PLAN_CHECK = REPO / "04_fsdp" / "check_plan.py"
+
+
+cp = load_script("04_fsdp/check_plan.py")
+em = cp.estimate_memory
+GiB = cp.GiB
+
+
+@pytest.fixture(scope="module")
+def small_config(tmp_path_factory):
+    """A Llama of the demo's proportions (vocabulary about 8 x hidden, as CodeLlama-7b's), config only."""
+    from transformers import LlamaConfig
+    path = tmp_path_factory.mktemp("small") / "config.json"
+    LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=4, vocab_size=2000, max_position_embeddings=1024).to_json_file(path)
+    return path
+
+
+def plan_options(config, *options):
+    return cp.parse_arguments(["--model", str(config), "--max_seq_length", "256", "--batch_size_per_device", "2",
+                               "--gpu_memory_gib", "80", *map(str, options)])
+
+
+PLANS = {}
+
+
+def run_plan(args):
+    """The plan check as the command line runs it, and its figures (each configuration once)."""
+    key = json.dumps(vars(args), sort_keys=True)
+    if key not in PLANS:
+        PLANS[key] = cp.plan(cp.training_arguments(args, args.gpus_per_node, args.nodes), args.gpus_per_node,
+                             args.nodes, "lora" if args.lora else "fsdp", args.gpu_memory_gib)
+    return PLANS[key]
+
+
+# ---- issue 13 point 4: the two figures agree ------------------------------------------------------
+
+# (GPUs per node, nodes, strategy, options): every strategy, with and without activation
+# checkpointing and LoRA, CPU offload, gradient accumulation with and without --accumulate_unsharded.
+AGREEMENT = [(2, 1, "FULL_SHARD", ()), (2, 1, "FULL_SHARD", ("--gradient_checkpointing",)),
+             (2, 1, "FULL_SHARD", ("--lora", "--gradient_checkpointing")),
+             (2, 1, "SHARD_GRAD_OP", ("--gradient_checkpointing",)), (2, 1, "NO_SHARD", ("--lora",)),
+             (2, 2, "HYBRID_SHARD", ()), (4, 1, "FULL_SHARD", ("--cpu_offload", "--gradient_checkpointing")),
+             (4, 1, "FULL_SHARD", ("--total_batch_size", 24)),
+             (4, 1, "FULL_SHARD", ("--total_batch_size", 24, "--accumulate_unsharded")),
+             (4, 1, "SHARD_GRAD_OP", ("--lora", "--total_batch_size", 16, "--accumulate_unsharded"))]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("per_node,nodes,strategy,extra", AGREEMENT)
+def test_plan_check_and_estimate_agree(small_config, per_node, nodes, strategy, extra):
+    result = run_plan(plan_options(small_config, "--gpus_per_node", per_node, "--nodes", nodes,
+                                   "--sharding_strategy", strategy, *extra))
+    estimate = result["estimate"]
+    for part in ("parameters", "gradients", "optimizer"):
+        assert abs(estimate[part] - result["state"][part]) <= 0.05 * result["state"][part], (part, result["state"])
+    assert abs(estimate["peak"] - result["peak"]) <= 0.15 * result["peak"], (estimate["peak"], result["peak"],
+                                                                               result["peak_at"])
+
+
+@pytest.mark.quick
+def test_peak_moment_and_parts(small_config):
+    """One rank holds everything: the foreach AdamW step, with its copy of exp_avg_sq, is the peak.
+    With --cpu_offload the state is in host RAM and off the GPU's figure."""
+    result = run_plan(plan_options(small_config, "--gpus_per_node", 1, "--gradient_checkpointing"))
+    assert result["peak_at"] == "step 2, optimizer step"
+    state, at_peak = result["state"], result["at_peak"]
+    assert at_peak["optimizer_temporaries"] == pytest.approx(state["optimizer"] / 2, rel=1e-3)
+    assert result["peak"] == sum(at_peak.values())
+    assert state["parameters"] == state["gradients"] == state["optimizer"] // 2 == 4 * result["parameters"]
+    offloaded = run_plan(plan_options(small_config, "--gpus_per_node", 1, "--gradient_checkpointing",
+                                      "--cpu_offload"))
+    assert offloaded["state"] == state and offloaded["host_per_rank"] == sum(state.values())
+    assert not {"parameters", "gradients", "optimizer_state"} & set(offloaded["at_peak"])
+    assert offloaded["peak"] < result["peak"] / 2
+
+
+@pytest.mark.quick
+def test_hybrid_mesh_and_many_ranks(small_config):
+    """HYBRID_SHARD shards inside a node (2-D mesh: 2 nodes x 4); 512 ranks run as fast as 2."""
+    hybrid = run_plan(plan_options(small_config, "--gpus_per_node", 4, "--nodes", 2, "--sharding_strategy",
+                                   "HYBRID_SHARD"))
+    shape = em.model_shape(em.load_config(str(small_config))[0], "small")
+    assert hybrid["state"] == em.sharded_state_bytes(em.fsdp_units(shape), 4) and hybrid["shard_group_size"] == 4
+    many = run_plan(plan_options(small_config, "--gpus_per_node", 8, "--nodes", 64))
+    assert many["ranks"] == 512 and many["state"] == em.sharded_state_bytes(em.fsdp_units(shape), 512)
+
+
+# ---- the verdict ----------------------------------------------------------------------------------
+
+@pytest.mark.quick
+def test_verdict_names_the_figure_and_what_to_change(small_config):
+    fits = run_plan(plan_options(small_config, "--gpus_per_node", 2, "--nodes", 1, "--sharding_strategy", "FULL_SHARD"))
+    assert fits["fits"] and cp.verdict_line(fits).startswith("plan check: fits: ")
+    # A GPU between what one GPU needs with and without --cpu_offload (by the formulas).
+    one_gpu = plan_options(small_config, "--gpus_per_node", 1)
+    shape = em.model_shape(em.load_config(str(small_config))[0], "small")
+
+    def needed(offload):
+        return em.needed_bytes(em.estimate_job(shape, cp.training_arguments(one_gpu, 1, 1, cpu_offload=offload),
+                                               1, 1)["peak"])
+    one_gpu.gpu_memory_gib = (needed(False) + needed(True)) / 2 / GiB
+    result = run_plan(one_gpu)
+    line = cp.verdict_line(result)
+    assert not result["fits"] and "\n" not in line
+    assert line.startswith(f"plan check: does NOT fit: {result['needed'] / GiB:.1f} GiB per GPU needed (peak ")
+    assert f"a GPU has {one_gpu.gpu_memory_gib:g} GiB" in line
+    assert "--cpu_offload" in result["would_fit_with"]
+    assert line.endswith("by the estimate it would fit with " + ", or ".join(result["would_fit_with"]))
+
+
+def test_command_line(small_config):
+    """Exit status 1 when the job does not fit, 0 when it does; --json gives the figures in bytes."""
+    done = subprocess.run([sys.executable, str(PLAN_CHECK), "--model", str(small_config), "--max_seq_length", "64",
+                           "--gpus_per_node", "2", "--gpu_memory_gib", "2", "--json"],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 1, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert not result["fits"] and result["ranks"] == 2 and result["peak"] > sum(result["state"].values()) / 2
+
+
+@pytest.mark.quick
+def test_report(small_config, capsys):
+    assert cp.main(["--model", str(small_config), "--max_seq_length", "64", "--gpus_per_node", "2",
+                    "--gpu_memory_gib", "80"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith("FULL_SHARD on 1 node(s) x 2 GPU(s) = 2 ranks, bf16 compute, sequence 64")
+    assert any(line.startswith("rank 0's GPU at the peak, step 2, ") for line in lines)
+    assert lines[-1].startswith("plan check: fits: ")
+
+
+# ---- where the check cannot run --------------------------------------------------------------------
+
+@pytest.mark.quick
+@pytest.mark.parametrize("config,why", [
+    ({"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 100}, "model.model.layers"),
+    ({"model_type": "t5", "num_layers": 2, "d_model": 64, "num_heads": 2, "vocab_size": 100}, "cannot build"),
+])
+def test_unknown_architecture_is_unavailable_not_refused(tmp_path, capsys, config, why):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(cp.PlanUnavailable, match=why):
+        run_plan(plan_options(path, "--gpus_per_node", 2))
+    import torch.distributed as dist
+    assert not dist.is_initialized()  # the fake process group is gone: a later check can run
+    # On the command line: one error line.
+    with pytest.raises(SystemExit) as exit_info:
+        cp.exit_on_user_error(lambda: cp.main(["--model", str(path)]))
+    assert exit_info.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and why in lines[0]
+
+
+# ---- issue 13 point 5: a real run holds what the plan check says ----------------------------------
+
+@pytest.fixture(scope="module")
+def real_state_bytes(demo, tmp_path_factory):
+    """benchmark/state_bytes.py: 2 gloo ranks on the CPU, one real optimiser step of the demo model."""
+    out = tmp_path_factory.mktemp("state") / "state_bytes.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               str(REPO / "benchmark/state_bytes.py"), "--model", str(demo / "model"), "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())["bytes_per_rank"]
+
+
+@pytest.mark.parametrize("configuration", ["FULL_SHARD", "SHARD_GRAD_OP", "LoRA"])
+def test_real_state_bytes_equal_the_plan_check(demo, real_state_bytes, configuration):
+    lora = configuration == "LoRA"
+    args = cp.parse_arguments(["--model", str(demo / "model"), "--gpus_per_node", "2", "--max_seq_length", "16",
+                               "--precision", "fp32", "--sharding_strategy",
+                               "FULL_SHARD" if lora else configuration] + (["--lora"] if lora else []))
+    planned = run_plan(args)["state"]
+    measured = real_state_bytes[configuration]
+    for part in ("parameters", "gradients", "optimizer"):
+        assert measured[part] == [planned[part]] * 2, (part, measured, planned)  # both ranks, to the byte
