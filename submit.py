@@ -13,19 +13,21 @@ plan check (04_fsdp/check_plan.py) then runs the job's code on fake tensors, in 
 login node's CPU, and a job that cannot fit in --gpu_memory_gib is refused with what to change.
 Run it on the login node, after the download step (compute nodes are offline).
 """
+import io
 import math
 import os
 import re
 import shlex
 import shutil
 import sys
+from contextlib import contextmanager, redirect_stderr
 from pathlib import Path
 
 import submitit
 
 from common.arguments import Parser
 from common.batch import describe, gradient_accumulation_steps
-from common.errors import UserError, exit_on_user_error
+from common.errors import UserError, exit_on_user_error, first_line
 from common.steps import REPO, STEP_SCRIPTS, check_training_arguments, load_script
 from slurm.step_launcher import PREEMPTION_SIGNAL, PREEMPTION_WARNING_S, StepLauncher
 
@@ -136,6 +138,18 @@ class PlanOnlyExecutor(submitit.SlurmExecutor):
         return 1
 
 
+@contextmanager
+def slurm_refusal_is_one_line():
+    """sbatch's own refusal (`sbatch: error: ...`: a partition or account that does not exist, a
+    request over the site's limits) as one error line, not submitit's traceback."""
+    try:
+        with redirect_stderr(io.StringIO()):  # submitit prints sbatch's message, then raises it
+            yield
+    except submitit.core.utils.FailedJobError as err:
+        raise UserError(f"Slurm refused the job: {first_line(err)} (check --partition, --account, --time and "
+                        "the GPUs asked for against `sinfo` and your site's limits)") from None
+
+
 def make_executor(args, timeout_min, warning_s):
     folder = Path(absolute(args.log_dir)) / "%j"
     cpus_per_task = args.cpus_per_task or 8 * args.gpus
@@ -198,7 +212,8 @@ def main(argv):
         print(script.rstrip())
         return 0
 
-    job = executor.submit(launcher)
+    with slurm_refusal_is_one_line():
+        job = executor.submit(launcher)
 
     def log(node):
         return shlex.quote(str(job.paths.folder / f"{job.job_id}_{node}_log.out"))

@@ -61,7 +61,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore  # registers t
 from common.arguments import Parser
 from common.batch import gradient_accumulation_steps
 from common.data import count_loss_tokens, loss_sum
-from common.errors import UserError, exit_on_user_error
+from common.errors import UserError, exit_on_user_error, first_line
 from common.model import build_model, enable_gradient_checkpointing
 from common.optim import make_optimizer
 from common.steps import check_training_arguments, load_script, load_step
@@ -143,7 +143,7 @@ def build(args, step, mesh, config, fake_mode):
         try:
             model = build_model(config, args.trust_remote_code)
         except Exception as err:  # whatever the architecture's code raises: the check cannot run, the job may
-            raise PlanUnavailable(f"cannot build {args.model} from its config ({estimate_memory.first_line(err)})") \
+            raise PlanUnavailable(f"cannot build {args.model} from its config ({first_line(err)})") \
                 from None
         if args.gradient_checkpointing:  # before sharding, as in train.py
             enable_gradient_checkpointing(model)
@@ -234,7 +234,7 @@ def plan(args, gpus_per_node, nodes=1, step="fsdp", gpu_memory_gib=None):
                     state = run_steps(model, optimizer, tracker, args, world_size, accumulation, config.vocab_size)
             except Exception as err:  # an operation fake tensors cannot run: unchecked, not refused
                 raise PlanUnavailable(f"the model's code failed on fake tensors ({type(err).__name__}: "
-                                      f"{estimate_memory.first_line(err)})") from None
+                                      f"{first_line(err)})") from None
             parameters = sum(p.numel() for p in model.parameters())
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
             phase_peaks = tracker.phase_peaks

@@ -104,7 +104,7 @@ import torch
 
 from common.arguments import Parser
 from common.batch import gradient_accumulation_steps
-from common.errors import UserError, exit_on_user_error
+from common.errors import UserError, exit_on_user_error, first_line
 
 REPO = Path(__file__).resolve().parents[1]
 GiB = 1024 ** 3
@@ -134,10 +134,6 @@ Param = namedtuple("Param", "shape trainable bytes")
 
 
 # ---- the model: config -> parameter shapes ------------------------------------------------------
-
-def first_line(err):
-    return (str(err).strip().splitlines() or [type(err).__name__])[0]
-
 
 def load_config(model):
     """The model's config and a line saying where it came from: `model` is a directory with

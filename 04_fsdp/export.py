@@ -11,6 +11,7 @@ import argparse
 import os
 import pickle
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -19,8 +20,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.api import CheckpointException
 
 from common.checkpoint import MARKER, SafeReader, load_sharded, readable_by_others
-from common.errors import UserError, exit_on_user_error
-from common.model import first_line
+from common.errors import UserError, exit_on_user_error, first_line
 
 
 def check_paths(checkpoint, out_dir):
@@ -47,7 +47,9 @@ def load_model_weights(checkpoint):
         state = {key.removeprefix("model."): torch.empty(entry.size, dtype=entry.properties.dtype)
                  for key, entry in metadata.state_dict_metadata.items()
                  if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)}
-        load_sharded({"model": state}, checkpoint, no_dist=True)  # one process reads every rank's pieces
+        with warnings.catch_warnings():  # DCP warns that there is no process group: one process, on purpose
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            load_sharded({"model": state}, checkpoint, no_dist=True)  # one process reads every rank's pieces
     except (OSError, RuntimeError, ValueError, KeyError, EOFError, pickle.UnpicklingError, CheckpointException) as err:
         raise UserError(f"{checkpoint} cannot be read ({first_line(err)}): a shard file is missing or damaged; "
                         "export an older complete checkpoint") from None

@@ -201,7 +201,7 @@ def submit_array(args):
     results = describe(args, ranks, machine=None)  # before submitting: what --collect needs is then sure to be there
     for run in runs:  # stale figures of an earlier sweep must not pass for this one's
         shutil.rmtree(run["output_dir"], ignore_errors=True)
-    with executor.batch():
+    with submit.slurm_refusal_is_one_line(), executor.batch():
         jobs = [executor.submit(launcher) for launcher in launchers]
     for run, task in zip(runs, jobs):
         run.update(job_id=task.job_id, status="submitted",

@@ -7,6 +7,12 @@ class UserError(Exception):
     """A problem the user can fix: bad paths, bad arguments, bad data. Printed as one line."""
 
 
+def first_line(err):
+    """The first line of an exception's message (at most 300 characters), for a one-line error."""
+    text = str(err).strip()
+    return text.splitlines()[0][:300] if text else type(err).__name__
+
+
 # What a Ctrl-C that stops the run at once should tell; the run's output directory sets it.
 interrupted_note = ["nothing was saved"]
 # Set by common.signals when the run is told to stop (SIGTERM, USR2, Ctrl-C).

@@ -8,15 +8,10 @@ from pathlib import Path
 
 import torch
 
-from common.errors import UserError
+from common.errors import UserError, first_line
 
 DEMO_DOWNLOAD = "python 01_download/download.py --demo --out demo"
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "demo" / "model"
-
-
-def first_line(err):
-    text = str(err).strip()
-    return text.splitlines()[0][:300] if text else type(err).__name__
 
 
 def model_missing_message(name, err):
@@ -32,9 +27,14 @@ def model_missing_message(name, err):
 
 
 def load_config(name, trust_remote_code=False, **kwargs):
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
     try:
         return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code, **kwargs)
+    except StrictDataclassError as err:  # a value of the wrong type: transformers checks them as it reads
+        why = first_line(err) + (f": {first_line(err.__cause__)}" if err.__cause__ else "")
+        raise UserError(f"cannot build the model from its config.json in {name} ({why}): check the values in "
+                        "config.json, or re-run the download step") from None
     except (OSError, ValueError, TypeError, KeyError) as err:
         raise UserError(model_missing_message(name, err)) from None
 

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common.errors import UserError
+from common.errors import UserError, first_line
 from common.lock import wait_for_lock
 
 FORMAT = 1  # part of the cache key: bump it when what is written changes
@@ -82,11 +82,6 @@ def check_parquet_schema(path):
         raise UserError(f"{path}: not a chess parquet file: it needs a column `Moves` holding a list of UCI moves "
                         "per game (the schema of laion/strategic_game_chess)")
     return pq.ParquetFile(path).metadata.num_rows
-
-
-def first_line(err):
-    text = str(err).strip()
-    return text.splitlines()[0][:200] if text else type(err).__name__
 
 
 # ---- reading and checking games (in batches: `datasets.map` and read_games share this) ------------

@@ -94,6 +94,9 @@ BAD_DATA = {
     # newlines lost: many games on one line, longer than any legal chess game
     "games-run-together": ("train.jsonl", 2, json.dumps({"text": " ".join(["g1f3 g8f6 f3g1 f6g8"] * 5000)}),
                            "train.jsonl:2: 20,000 moves, more than any chess game"),
+    # UCI-shaped, but the king cannot go there: the legal-move evaluation replays validation games
+    "illegal-validation-move": ("validation.jsonl", 3, json.dumps({"text": "e2e4 e7e5 e1e8"}),
+                                "move 3, 'e1e8', is not legal in that position"),
 }
 
 
@@ -110,6 +113,14 @@ def test_empty_dataset_is_refused(demo, tmp_path, existing_run, content):
     data = data_copy(demo, tmp_path)
     (data / "train.jsonl").write_text(content)
     assert "holds no games" in refused(demo, existing_run, data_dir=data)
+
+
+def test_validation_games_too_short_to_evaluate(demo, tmp_path, existing_run):
+    """One-move games leave no prefix with a next move to check: refused, not a traceback."""
+    data = data_copy(demo, tmp_path)
+    (data / "validation.jsonl").write_text(json.dumps({"text": "e2e4"}) + "\n")
+    line = refused(demo, existing_run, data_dir=data)
+    assert "the validation data gives 0 " in line and "use more validation games" in line, line
 
 
 def test_missing_data_names_the_download_command(demo, tmp_path, existing_run):
@@ -145,6 +156,21 @@ def test_missing_or_damaged_model_files(demo, tmp_path, existing_run, case):
     BAD_MODEL[case](model)
     line = refused(demo, existing_run, model=model)
     assert str(model) in line and ("download" in line), line
+
+
+def edit_config(model, **changes):
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, **changes}))
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"num_hidden_layers": "two"}, "cannot build the model from its config.json"),
+    ({"vocab_size": 1000}, "has 1,972 tokens but the model only"),  # a tokenizer larger than the embedding
+], ids=["wrongly-typed-value", "tokenizer-larger-than-embedding"])
+def test_model_config_that_cannot_work(demo, tmp_path, existing_run, changes, words):
+    model = model_copy(demo, tmp_path)
+    edit_config(model, **changes)
+    assert words in refused(demo, existing_run, model=model)
 
 
 # ---- the output directory --------------------------------------------------------------------

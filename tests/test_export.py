@@ -1,8 +1,10 @@
 """04_fsdp/export.py: a sharded checkpoint becomes a Hugging Face model, in one plain process;
 incomplete checkpoints and occupied output folders are refused."""
+import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -62,3 +64,22 @@ def test_export_refuses_bad_inputs(fsdp_run, tmp_path):
 
     done = export(tmp_path / "no-such-checkpoint", tmp_path / "out")
     assert done.returncode == 2 and "error: no checkpoint at" in done.stderr
+
+
+def test_export_refuses_damaged_shards_and_an_unwritable_destination(fsdp_run, tmp_path):
+    damaged = tmp_path / "step-000004"
+    shutil.copytree(fsdp_run / "checkpoints/step-000004", damaged)
+    shard = sorted(damaged.glob("*.distcp"))[0]
+    os.truncate(shard, 64)  # a shard cut short (a full disk, a copy that broke off): its weights are gone
+    done = export(damaged, tmp_path / "out")
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "a shard file is missing or damaged" in done.stderr and not (tmp_path / "out").exists()
+
+    for shard in damaged.glob("*.distcp"):
+        shard.unlink()
+    done = export(damaged, tmp_path / "out")
+    assert done.returncode == 2 and "a shard file is missing or damaged" in done.stderr, done.stderr
+
+    done = export(fsdp_run / "checkpoints/step-000004", Path("/sys/kit-export"))  # sysfs: read-only for everyone
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert done.stderr.startswith("error: cannot write the model to /sys/kit-export"), done.stderr

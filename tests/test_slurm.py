@@ -137,3 +137,15 @@ def test_submit_py_refuses_a_job_that_cannot_fit_before_it_is_queued(slurm_clust
     accounted = slurm_cluster.run(["sacct", "--allusers", "--noheader", "--name=too-big", "--starttime=2000-01-01"])
     assert accounted.returncode == 0 and accounted.stdout.strip() == "", accounted.stdout
     assert not (slurm_cluster.jobs_dir / "too-big").exists()
+
+
+def test_submit_py_reports_slurms_own_refusal_in_one_line(slurm_cluster, demo):
+    """sbatch itself refuses (a partition that does not exist): its reason, in one error line."""
+    result = slurm_cluster.run(
+        [sys.executable, "submit.py", "--gpus", "2", "--step", "ddp", "--partition", "no-such-partition",
+         "--log_dir", str(slurm_cluster.jobs_dir / "refused"), "--model", str(demo / "model"),
+         "--data_dir", str(demo / "data")], timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("error: Slurm refused the job: sbatch: error: ") and \
+        result.stderr.count("\n") == 1, result.stderr
+    assert "Invalid partition name specified" in result.stderr
