@@ -5,13 +5,6 @@ its columns (Moves, Termination, Result) and recipe (a few random opening plies,
 self-play), cut to a few thousand games and a tiny search budget so it builds in minutes. Games are
 seeded one by one, so --workers does not matter; one engine thread with a node budget makes Stockfish
 repeatable too, but only on the same Stockfish build. Without Stockfish a seeded heuristic plays.
-
-The larger set that the learning run (benchmark/learn_chess.py) trains on is made by the same recipe
-with another seed, with repeats and the sample's own games left out (the sample's last games are that
-run's held-out evaluation games):
-
-    python 01_download/make_chess_sample.py --games 24000 --seed 1 --unique \
-        --exclude 01_download/chess_sample.parquet --out 01_download/chess_learn.parquet
 """
 import argparse
 import collections
@@ -133,19 +126,6 @@ def find_engine(choice):
     return debian_path if os.access(debian_path, os.X_OK) else None
 
 
-def drop_repeats(records, exclude):
-    """Games in the order played, less those whose moves equal an earlier game's or a game of
-    `exclude` (a set of move tuples). Stockfish is deterministic: two games whose random openings
-    coincide are the same game, move for move."""
-    seen, kept = set(exclude), []
-    for record in records:
-        moves = tuple(record["Moves"])
-        if moves not in seen:
-            seen.add(moves)
-            kept.append(record)
-    return kept
-
-
 def generate(games, seed, engine_path, workers):
     # string seeds hash to independent streams; game i is the same whichever worker plays it
     seeds = [f"{seed}:{index}" for index in range(games)]
@@ -210,12 +190,6 @@ def parse_args():
                         help="path to a UCI engine, 'none' for the heuristic player, or 'auto' (default): "
                              "Stockfish if installed, else the heuristic")
     parser.add_argument("--workers", type=int, default=2, help="parallel games, one engine each (default 2)")
-    parser.add_argument("--unique", action="store_true",
-                        help="drop a game that repeats an earlier one move for move (the file then holds fewer "
-                             "than --games)")
-    parser.add_argument("--exclude", type=Path, action="append", default=[],
-                        help="drop games that are also in this parquet file (repeatable): keeps another file's "
-                             "held-out games out of this one")
     args = parser.parse_args()
     if args.games < 1 or args.workers < 1:
         parser.error("--games and --workers must be at least 1")
@@ -231,14 +205,6 @@ def main():
         print(f"policy: {engine_path} self-play, {ENGINE_LIMIT}, {ENGINE_OPTIONS}")
     started = time.monotonic()
     records = generate(args.games, args.seed, engine_path, args.workers)
-    if args.unique or args.exclude:
-        exclude = {tuple(moves) for path in args.exclude
-                   for moves in pq.read_table(path, columns=["Moves"]).column("Moves").to_pylist()}
-        kept = drop_repeats(records, exclude) if args.unique else [
-            record for record in records if tuple(record["Moves"]) not in exclude]
-        print(f"dropped {len(records) - len(kept)} games that repeat another"
-              + (" or are in " + ", ".join(map(str, args.exclude)) if args.exclude else ""))
-        records = kept
     write_parquet_atomically(records, args.out)
     print(f"played and wrote {len(records)} games in {time.monotonic() - started:.0f} s")
     check_and_summarise(args.out)
