@@ -1,6 +1,6 @@
 """Data at scale: does a run's memory and start-up stay flat as the number of games grows?
 
-    python benchmark/data_scale.py                       # 3,000, 100,000 and 1,000,000 games (about 5 minutes)
+    python benchmark/data_scale.py                       # 3,000, 100,000 and 1,000,000 games (about 2 minutes)
     python benchmark/data_scale.py --games 3000 --steps 2 --out /tmp/data-scale   # a quick look
 
 For each size it writes DATA/train.jsonl with that many games (the shipped Stockfish games,
@@ -13,6 +13,7 @@ Writes OUT/data_scale.md (and .json) and prints the table.
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -48,6 +49,7 @@ def timed(command, log, env):
 def measure(games, args, env):
     work = Path(args.out) / f"games-{games}"
     data, prepared, run = work / "data", work / "prepared", work / "run"
+    shutil.rmtree(prepared, ignore_errors=True)  # a previous measurement's: this one prepares from scratch
     write_games(games, Path(args.demo) / "data/train.jsonl", data / "train.jsonl")
     (data / "validation.jsonl").write_text((Path(args.demo) / "data/validation.jsonl").read_text())
     model = Path(args.demo) / "model"
@@ -60,9 +62,11 @@ def measure(games, args, env):
           work / "train.log", {**env, "OMP_NUM_THREADS": "1"})
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((run / "summary.json").read_text())
-    meta = json.loads(next(prepared.glob("*/meta.json")).read_text()) if list(prepared.glob("*/meta.json")) else {}
+    # Two prepared sets, the training games' and the validation games': the figures are the former's.
+    meta = next(m for m in map(json.loads, (p.read_text() for p in prepared.glob("*/meta.json")))
+                if m["sources"][0].endswith("train.jsonl"))
     return {"games": games, "data_mb": round((data / "train.jsonl").stat().st_size / 1e6, 1),
-            "rows": meta.get("rows"), "tokens": meta.get("tokens"), "prepare_s": round(prepare_s, 1),
+            "rows": meta["rows"], "tokens": meta["tokens"], "prepare_s": round(prepare_s, 1),
             "first_step_s": records[0]["since_start_s"], "peak_rss_mib_per_rank": summary["peak_rss_mib_per_rank"],
             "tokens_per_s": summary["tokens_per_s"]}
 
