@@ -146,7 +146,8 @@ def test_report(small_config, capsys):
 
 @pytest.mark.quick
 @pytest.mark.parametrize("config,why", [
-    ({"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 100}, "model.model.layers"),
+    ({"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 100, "bos_token_id": 0,
+      "eos_token_id": 0}, "model.model.layers"),
     ({"model_type": "t5", "num_layers": 2, "d_model": 64, "num_heads": 2, "vocab_size": 100}, "cannot build"),
 ])
 def test_unknown_architecture_is_unavailable_not_refused(tmp_path, capsys, config, why):
@@ -162,6 +163,11 @@ def test_unknown_architecture_is_unavailable_not_refused(tmp_path, capsys, confi
     assert exit_info.value.code == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and why in lines[0]
+    # Before a job (submit.py, slurm/fsdp.sh): said in one line, and the job goes ahead.
+    job = cp.training_arguments(plan_options(path, "--gpus_per_node", 2), 2, 1)
+    assert cp.check_job("fsdp", job, 2, 1, 80, override="--force") is None
+    said = capsys.readouterr().out
+    assert said.startswith("plan check: not run: ") and said.rstrip().endswith("the job goes ahead unchecked")
 
 
 # ---- issue 13 point 5: a real run holds what the plan check says ----------------------------------
