@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -194,3 +195,27 @@ def test_real_state_bytes_equal_the_plan_check(demo, real_state_bytes, configura
     measured = real_state_bytes[configuration]
     for part in ("parameters", "gradients", "optimizer"):
         assert measured[part] == [planned[part]] * 2, (part, measured, planned)  # both ranks, to the byte
+
+
+# ---- before a job: submit.py (not in the quick tier: three submissions with the plan check) ------------
+
+def run_submit(args):
+    env = {**os.environ, "PATH": str(Path(sys.executable).parent)}  # no sbatch here: nothing can be submitted
+    return subprocess.run([sys.executable, "submit.py", *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=180)
+
+
+def test_a_job_that_cannot_fit_is_refused_unless_forced(tmp_path):
+    """The plan check runs the step's code on fake tensors; the refusal is one line with the
+    figure, and --force submits without it."""
+    request = ["--step", "fsdp", "--gpus", "2", "--gpu_memory_gib", "3", "--log_dir", str(tmp_path), "--dry-run"]
+    result = run_submit(request)
+    assert (result.returncode, result.stdout) == (2, ""), result.stderr
+    assert result.stderr.startswith("error: plan check: does NOT fit: ") and result.stderr.count("\n") == 1
+    assert "GiB per GPU needed" in result.stderr and "a GPU has 3 GiB" in result.stderr
+    assert result.stderr.endswith("(--force runs it anyway)\n"), result.stderr
+    forced = run_submit([*request, "--force"])
+    assert forced.returncode == 0, forced.stderr
+    assert "plan check" not in forced.stdout and "#SBATCH --gpus-per-node=2" in forced.stdout
+    steps = run_submit(["--step", "ddp", "--gpus", "2", "--gpu_memory_gib", "3", "--dry-run"])
+    assert steps.returncode == 0 and "plan check" not in steps.stdout  # the FSDP steps only

@@ -421,8 +421,9 @@ def test_bad_data_is_named_with_file_and_line(demo, tokenizer, tmp_path, case):
     data = data_copy(demo, tmp_path)
     replace_line(data / name, number, text)
     split = name.removesuffix(".jsonl")
-    message = refused(data, split, tokenizer, tmp_path)
-    assert words in message and message.startswith(f"{data / name}:{number}: "), message
+    if case != "illegal-validation-move":  # tokenizing does not replay the games; the evaluation does
+        message = refused(data, split, tokenizer, tmp_path)
+        assert words in message and message.startswith(f"{data / name}:{number}: "), message
     if split == "validation":
         with pytest.raises(UserError, match=re.escape(words)):
             read_games(data, split, 64)

@@ -74,22 +74,6 @@ def test_dry_run_prints_the_plan_and_the_sbatch_script_without_slurm(no_slurm_en
     assert out.startswith("plan check: fits: "), out  # the demo model: 8 ranks x 4 rows of 512 tokens
 
 
-def test_a_job_that_cannot_fit_is_refused_unless_forced(no_slurm_env, tmp_path):
-    """The plan check runs the step's code on fake tensors; the refusal is one line with the
-    figure, and --force submits without it."""
-    request = ["--step", "fsdp", "--gpus", "2", "--gpu_memory_gib", "3", "--log_dir", str(tmp_path), "--dry-run"]
-    result = run_submit(request, no_slurm_env)
-    assert (result.returncode, result.stdout) == (2, ""), result.stderr
-    assert result.stderr.startswith("error: plan check: does NOT fit: ") and result.stderr.count("\n") == 1
-    assert "GiB per GPU needed" in result.stderr and "a GPU has 3 GiB" in result.stderr
-    assert result.stderr.endswith("(--force runs it anyway)\n"), result.stderr
-    forced = run_submit([*request, "--force"], no_slurm_env)
-    assert forced.returncode == 0, forced.stderr
-    assert "plan check" not in forced.stdout and "#SBATCH --gpus-per-node=2" in forced.stdout
-    steps = run_submit(["--step", "ddp", "--gpus", "2", "--gpu_memory_gib", "3", "--dry-run"], no_slurm_env)
-    assert steps.returncode == 0 and "plan check" not in steps.stdout  # the FSDP steps only
-
-
 def test_short_jobs_are_warned_halfway(no_slurm_env):
     result = run_submit(["--dry-run", "--step", "ddp", "--gpus", "2", "--time", "4"], no_slurm_env)
     assert result.returncode == 0, result.stderr
