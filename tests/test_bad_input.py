@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.errors import UserError
+from common.steps import load_step
 from conftest import RANKS, REPO, RESUMABLE, assert_same_run, demo_args, read_metrics, run_step
 
 
@@ -332,3 +334,33 @@ def test_a_full_disk_is_one_line_that_says_so(demo, small_disk, step):
     line = one_error_line(result) if step == "single" else launcher_error_line(result)
     assert "no room for a checkpoint" in line and "MiB free" in line and "one needs about" in line, line
     assert not any((output_dir / "checkpoints").glob("*/COMPLETE"))
+
+
+# ---- step 4 and 5 options and models ---------------------------------------------------------
+
+@pytest.mark.quick
+@pytest.mark.parametrize("step, argv, words", [
+    ("fsdp", ["--shard_group_size", "0"], "--shard_group_size must be at least 1"),
+    ("lora", ["--lora_target_modules", " , "], "at least one --lora_target_modules"),
+    ("lora", ["--lora_rank", "0"], "LoRA needs --lora_rank >= 1"),
+])
+def test_out_of_range_step_options_are_refused(step, argv, words):
+    with pytest.raises(UserError, match=words):
+        load_step(step).parse_arguments(["--output_dir", "unused", *argv])
+
+
+@pytest.mark.quick
+def test_step_4_names_the_architectures_it_shards():
+    """A model without Llama's model.model.layers (GPT-2 here) is refused with the supported ones."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, bos_token_id=0, eos_token_id=0))
+    with pytest.raises(UserError, match=r"GPT2LMHeadModel keeps no decoder layers at model.model.layers: .*Llama"):
+        load_step("fsdp").decoder_layers(model)
+
+
+def test_lora_target_module_the_model_lacks(demo, tmp_path):
+    args = demo_args(demo, tmp_path / "run") + ["--lora_target_modules", "qkv_proj", "--max_steps", 1]
+    result = run_step("lora", args, check=False)  # under plain torchrun: its report follows the rank's one line
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert line.startswith("error: --lora_target_modules qkv_proj: ") and "linear layers are down_proj" in line, line
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
