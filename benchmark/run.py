@@ -2,7 +2,7 @@
 Hugging Face Trainer with FSDP, each at gradient accumulation 1 and 2 on the same global batch, on
 the built-in tiny default and on the same shape with a 20,480-token vocabulary.
 
-    .venv/bin/python benchmark/run.py            # everything, about 40 minutes on 2 idle CPU cores
+    .venv/bin/python benchmark/run.py            # everything, about 35 minutes on 2 idle CPU cores
     .venv/bin/python benchmark/run.py --quick    # a few steps of some runs the targets compare (the test)
 
 Each configuration runs the real script (02/03/04 train.py, benchmark/hf_trainer_fsdp.py) with

@@ -15,6 +15,32 @@ STEP_SCRIPTS = {"single": REPO / "02_singlegpu/train.py", "ddp": REPO / "03_ddp/
 # user's cache), and shared by every run that asks for the same data, tokenizer and row length.
 os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="kit-tests-datasets-")
 
+
+
+# test.sh runs the suite on two pytest-xdist workers. A test file stays on one worker (its module
+# fixtures are made once), and the files that use the local Slurm cluster share one worker, which
+# brings the cluster up once; they go first, since they mostly wait for the cluster while the other
+# worker runs the rest.
+SLURM_FILES = ("test_preemption.py", "test_slurm.py")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.get_closest_marker("slurm") and item.path.name not in SLURM_FILES:
+            raise pytest.UsageError(f"{item.nodeid} uses Slurm: add its file to SLURM_FILES in tests/conftest.py")
+    items.sort(key=lambda item: item.path.name not in SLURM_FILES)  # stable: file order otherwise
+
+
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFileSlurmTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            file = nodeid.split("::", 1)[0]
+            return "slurm" if Path(file).name in SLURM_FILES else file
+    return ByFileSlurmTogether(config, log)
+
+
 # Small and quick: short rows, little evaluation.
 QUICK = ["--max_seq_length", "64", "--eval_every", "0", "--eval_rows", "8", "--eval_games", "8"]
 
@@ -34,7 +60,7 @@ def run_step(step, args, nproc=1, timeout=600, check=True):
         command = [sys.executable, str(STEP_SCRIPTS[step])]
     else:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={nproc}", str(STEP_SCRIPTS[step])]
+                   f"--nproc-per-node={nproc}", str(STEP_SCRIPTS.get(step, step))]  # or a script's path
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     result = subprocess.run(command + [str(a) for a in args], capture_output=True, text=True,
                             timeout=timeout, env=env, cwd=REPO)

@@ -55,7 +55,7 @@ SKIPPED = {
                                                                 "(the training tests run every step)",
     r"^python 04_fsdp/export\.py runs/fsdp/": "needs the checkpoint of the 100-step run above (tests/test_export.py "
                                               "exports one)",
-    r"^python benchmark/run\.py( --quick)?$": "the benchmark: 40 minutes (--quick: minutes, tests/test_benchmark.py)",
+    r"^python benchmark/run\.py( --quick)?$": "the benchmark: 35 minutes (--quick: minutes, tests/test_benchmark.py)",
     r"^python benchmark/gpu_check\.py$": "the GPU check on the full 7B shape: a GPU node, up to 10 minutes "
                                          "(tests/test_gpu_check.py runs a shrunk shape)",
     r"^tensorboard ": "starts a server that runs until stopped",
