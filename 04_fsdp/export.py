@@ -19,7 +19,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from common.checkpoint import MARKER, SafeReader, load_sharded, readable_by_others
+from common.checkpoint import MARKER, load_sharded, readable_by_others
+from common.safe_dcp import SafeReader
 from common.errors import UserError, exit_on_user_error, first_line
 
 

@@ -16,11 +16,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import StorageMeta
 
 from common.errors import UserError
 
@@ -51,7 +46,7 @@ def load_newest(output_dir, load):
             load(path)
             return path
         except (OSError, RuntimeError, ValueError, KeyError, EOFError, pickle.UnpicklingError,
-                CheckpointException) as err:
+                *dcp_errors()) as err:
             reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
             print(f"warning: checkpoint {path} is unreadable ({reason}): falling back to the previous one",
                   file=sys.stderr, flush=True)
@@ -106,7 +101,7 @@ def disk_full_is_one_line(path, needed_bytes):
     folder stays incomplete, without its marker: --resume never uses it)."""
     try:
         yield
-    except (OSError, RuntimeError, CheckpointException) as err:
+    except (OSError, RuntimeError, *dcp_errors()) as err:
         if is_disk_full(err):
             raise UserError(disk_full_message(path, needed_bytes)) from None
         raise
@@ -161,43 +156,13 @@ def load_file(path):
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-# torch.distributed.checkpoint reads a checkpoint's index (.metadata) with plain pickle and its
-# non-tensor entries (the optimizer's hyperparameters) with torch.load(weights_only=False): a
-# checkpoint folder from someone else could run code on --resume. These two classes read the same
-# files but accept only what such files are made of.
-class _MetadataUnpickler(pickle.Unpickler):
-    MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
-    ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-               ("collections", "OrderedDict")}
-
-    def find_class(self, module, name):
-        if (module, name) in self.ALLOWED:
-            return super().find_class(module, name)
-        found = super().find_class(module, name) if module in (*self.MODULES, "torch") else None
-        if isinstance(found, torch.dtype) or (module in self.MODULES and isinstance(found, type)):
-            return found  # a dtype, or one of DCP's own metadata classes
-        raise pickle.UnpicklingError(f"{module}.{name} has no place in a checkpoint's metadata: refused")
-
-
-class SafeReader(dcp.FileSystemReader):
-    def read_metadata(self, *args, **kwargs):
-        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as stream:
-            metadata = _MetadataUnpickler(stream).load()
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    def load_bytes(self, read_item, value):
-        value = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], value)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = value
-
-
 def load_sharded(state, path, **kwargs):
-    """dcp.load, reading only tensors and plain values (see SafeReader)."""
-    dcp.load(state, storage_reader=SafeReader(path), planner=SafeLoadPlanner(), **kwargs)
+    """dcp.load, reading only tensors and plain values (common/safe_dcp.py)."""
+    from common.safe_dcp import safe_load  # imported here: DCP takes a second to import, and only FSDP needs it
+    safe_load(state, path, **kwargs)
+
+
+def dcp_errors():
+    """DCP's CheckpointException where DCP is in use (where no module imported it, nothing raises it)."""
+    api = sys.modules.get("torch.distributed.checkpoint.api")
+    return (api.CheckpointException,) if api else ()

@@ -5,6 +5,7 @@ daemon logs and job outputs copied to a folder that the failing test names.
     pytest_plugins = ["slurm_cluster"]     # in a test module: its tests may ask for `slurm_cluster`
 """
 import contextlib
+import fcntl
 import os
 import random
 import shutil
@@ -21,6 +22,8 @@ CLUSTER_SCRIPT = REPO / "tests/slurm/local_cluster.sh"
 CANNOT_RUN_HERE = 3  # local_cluster.sh's exit status for "not root / packages cannot be installed"
 FINISHED_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
                    "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
+# Shared with local_cluster.sh (flock): apt-get refuses to run while another one holds its lock.
+APT_LOCK = Path(os.environ.get("TMPDIR", "/tmp")) / "kit-tests-apt.lock"
 NODES, GPUS_PER_NODE = 2, 2
 # Seconds a preempted job of the default partition has between Slurm's SIGTERM and its SIGKILL
 # (the partition's GraceTime; the cluster's KillWait of 10 s comes on top at the end).
@@ -189,7 +192,10 @@ def install_when_missing(command, package):
     if os.geteuid() != 0 or not shutil.which("apt-get"):
         return False
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for step in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", "--no-install-recommends", package]):
-        if subprocess.run(step, env=env, capture_output=True, timeout=600).returncode != 0:
-            return False
+    with open(APT_LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one apt-get at a time: the other test worker may be installing Slurm
+        for step in (["apt-get", "update", "-q"],
+                     ["apt-get", "install", "-y", "-q", "--no-install-recommends", package]):
+            if subprocess.run(step, env=env, capture_output=True, timeout=600).returncode != 0:
+                return False
     return shutil.which(command) is not None

@@ -55,7 +55,9 @@ install_packages() {
   echo "installing ${missing[*]} (apt-get) ..."
   export DEBIAN_FRONTEND=noninteractive
   # The postinst scripts try to start the services; without systemd that is refused, harmlessly.
-  { apt-get update -q && apt-get install -y -q --no-install-recommends "${missing[@]}"; } \
+  # flock: one apt-get at a time (another test worker may be installing shellcheck; see slurm_cluster.py)
+  flock "${TMPDIR:-/tmp}/kit-tests-apt.lock" \
+    bash -c 'apt-get update -q && apt-get install -y -q --no-install-recommends "$@"' apt "${missing[@]}" \
     >"$CLUSTER_DIR/log/apt-get.log" 2>&1 \
     || cannot_run "apt-get install ${missing[*]} failed (see $CLUSTER_DIR/log/apt-get.log)"
 }
