@@ -7,11 +7,13 @@ configuration keeps its fastest.
 
     .venv/bin/python benchmark/levers.py      # about 5 minutes on 2 idle CPU cores; after ./demo.sh
 
-Writes levers.md and levers.json into --out (benchmark/), the runs into --runs_dir. Under torchrun
-(KIT_LEVER set) it is the training process itself: 04_fsdp/train.py with the lever in its shard_model().
+Writes levers.md and levers.json into --out (benchmark/), the runs into --runs_dir; each run is
+run.py's, with its settings. Under torchrun it is the training process itself: 04_fsdp/train.py with
+the lever given by --lever in its shard_model().
 """
 import json
 import os
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -42,8 +44,11 @@ def with_lever(train, lever):
 
 
 def training_process():
+    at = sys.argv.index("--lever")  # ours; every other argument is 04_fsdp/train.py's
+    lever = sys.argv[at + 1]
+    del sys.argv[at: at + 2]
     train = load_script("04_fsdp/train.py")
-    with_lever(train, os.environ["KIT_LEVER"])
+    with_lever(train, lever)
     exit_on_user_error(train.main)
 
 
@@ -54,31 +59,18 @@ def main():
     parser.add("out", default=str(REPO / "benchmark"), help="levers.md and levers.json go here")
     parser.add("runs_dir", default=str(REPO / "runs" / "levers"), help="one folder per run")
     parser.add("rounds", type=int, default=2)
+    parser.add("timeout", type=int, default=900, help="seconds one run may take (compiling included)")
     args = parser.parse_args()
     if not Path(args.model, "config.json").is_file():
         raise UserError(f"{args.model} holds no model: run `python 01_download/download.py --demo --out demo` first")
     bench = load_script("benchmark/run.py")
     out, load_before, began = Path(args.out), os.getloadavg(), time.time()
-    fastest = {}
-    for _ in range(args.rounds):
-        for accumulation in (1, 2):
-            for lever in LEVERS:
-                run_dir = Path(args.runs_dir) / f"acc{accumulation}_{lever.replace(' ', '_')}"
-                per_device = bench.GLOBAL_BATCH_ROWS // (RANKS * accumulation)
-                arguments = ["--model", args.model, "--data_dir", args.data_dir, "--output_dir", run_dir,
-                             "--max_steps", bench.FULL_STEPS, "--max_seq_length", bench.SEQ_LENGTH,
-                             "--learning_rate", bench.LEARNING_RATE, "--total_batch_size", bench.GLOBAL_BATCH_ROWS,
-                             "--batch_size_per_device", per_device, "--eval_every", 0, "--eval_rows", 16,
-                             "--eval_games", 16, "--overwrite"]
-                os.environ["KIT_LEVER"] = lever
-                run_dir.mkdir(parents=True, exist_ok=True)
-                wall = bench.launch("benchmark/levers.py", RANKS, arguments, run_dir / "log.txt", 900)
-                summary = json.loads((run_dir / "summary.json").read_text())
-                print(f"accumulation {accumulation}, {lever}: {summary['tokens_per_s']} tokens/s, "
-                      f"loss {summary['final_loss']}, {wall:.1f} s", flush=True)
-                key = (accumulation, lever)
-                if key not in fastest or summary["tokens_per_s"] > fastest[key]["tokens_per_s"]:
-                    fastest[key] = {**summary, "wall_s": round(wall, 1)}
+    runs = [bench.Run("built-in", accumulation, lever, "levers", RANKS,
+                      ["--total_batch_size", bench.GLOBAL_BATCH_ROWS,
+                       "--batch_size_per_device", bench.GLOBAL_BATCH_ROWS // (RANKS * accumulation), "--lever", lever])
+            for accumulation in (1, 2) for lever in LEVERS]
+    rows = bench.run_compared(runs, {"built-in": args.model}, args, bench.FULL_STEPS, args.rounds)
+    fastest = {(row["accumulation"], row["name"]): row for row in rows}
     lines = [f"Command: `benchmark/levers.py` ({datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; load average "
              f"{[round(x, 2) for x in load_before]} before, {[round(x, 2) for x in os.getloadavg()]} after; "
              f"{time.time() - began:.0f} s). FSDP FULL_SHARD, {RANKS} ranks, one thread each, "
@@ -98,7 +90,7 @@ def main():
 
 
 if __name__ == "__main__":
-    if "KIT_LEVER" in os.environ and "RANK" in os.environ:
+    if "RANK" in os.environ:  # started by torchrun: a training process
         training_process()
     else:
         exit_on_user_error(main)

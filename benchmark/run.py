@@ -28,7 +28,8 @@ from common.errors import UserError, exit_on_user_error
 from common.model import DEMO_DOWNLOAD
 
 SCRIPTS = {"single": "02_singlegpu/train.py", "ddp": "03_ddp/train.py", "fsdp": "04_fsdp/train.py",
-           "hf_trainer": "benchmark/hf_trainer_fsdp.py"}
+           "hf_trainer": "benchmark/hf_trainer_fsdp.py",
+           "levers": "benchmark/levers.py"}  # step 4 with a speed lever (levers.py runs these)
 MODELS = ["built-in", "wide vocab"]  # the demo model; its shape with WIDE_VOCAB tokens
 WIDE_VOCAB = 20_480
 ACCUMULATIONS = [1, 2]

@@ -15,8 +15,6 @@ STEP_SCRIPTS = {"single": REPO / "02_singlegpu/train.py", "ddp": REPO / "03_ddp/
 # user's cache), and shared by every run that asks for the same data, tokenizer and row length.
 os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="kit-tests-datasets-")
 
-
-
 # test.sh runs the suite on two pytest-xdist workers. A test file stays on one worker (its module
 # fixtures are made once), and the files that use the local Slurm cluster share one worker, which
 # brings the cluster up once; they go first, since they mostly wait for the cluster while the other
