@@ -1,6 +1,8 @@
 """What every run reports: throughput per device, the step time split, memory, checkpoint save
 time, and the FLOPs count behind MFU."""
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -29,6 +31,17 @@ def test_flops_per_token_of_codellama_7b():
 
 def test_no_mfu_without_a_known_gpu_peak():
     assert model_flops_utilization(1e4, 4.6e10, torch.device("cpu")) == {}
+
+
+@pytest.mark.quick
+def test_a_cpu_process_flushes_denormals_that_slow_its_steps_down():
+    """Unflushed, AdamW's decaying moments turn denormal and a long CPU run's step time nearly
+    doubles (benchmark/learn_chess.py); every step picks its device through pick_device."""
+    probe = ("import torch; from common.device import pick_device; before = torch.tensor([1e-39]).item(); "
+             "pick_device('cpu'); print(before, torch.tensor([1e-39]).item())")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    before, after = map(float, result.stdout.split())
+    assert before > 0 and after == 0  # representable before; flushed to zero on the training device
 
 
 def test_a_run_reports_throughput_time_split_memory_and_save_time(demo, tmp_path):
