@@ -5,6 +5,14 @@ its columns (Moves, Termination, Result) and recipe (a few random opening plies,
 self-play), cut to a few thousand games and a tiny search budget so it builds in minutes. Games are
 seeded one by one, so --workers does not matter; one engine thread with a node budget makes Stockfish
 repeatable too, but only on the same Stockfish build. Without Stockfish a seeded heuristic plays.
+
+The larger set that the learning run (benchmark/learn_chess.py) trains on, chess_learn.parquet, is
+made by the same recipe with another seed and a smaller search budget (about 16 games/s on 2 cores),
+with repeats and the sample's own games left out (the sample's last games are that run's held-out
+evaluation games):
+
+    python 01_download/make_chess_sample.py --games 20000 --seed 1 --nodes 100 --unique \
+        --exclude 01_download/chess_sample.parquet --out 01_download/chess_learn.parquet
 """
 import argparse
 import collections
@@ -24,7 +32,7 @@ import pyarrow.parquet as pq
 MIN_OPENING_PLIES, MAX_OPENING_PLIES = 2, 8
 MAX_PLIES = 300                                 # longer games are cut off and scored as draws
 CAPPED_TERMINATION = "MAX_MOVES"                # our own label: python-chess has no name for a cut-off game
-ENGINE_LIMIT = chess.engine.Limit(nodes=500)    # tiny, fixed budget: fast, and not wall-clock dependent
+DEFAULT_NODES = 500                             # tiny, fixed budget: fast, and not wall-clock dependent
 ENGINE_OPTIONS = {"Threads": 1, "Hash": 16}     # one thread so the search is repeatable
 GAMES_PER_TASK = 25                             # small tasks keep both workers busy until the end
 PIECE_VALUE = {chess.PAWN: 1, chess.KNIGHT: 3, chess.BISHOP: 3, chess.ROOK: 5, chess.QUEEN: 9}
@@ -65,7 +73,7 @@ def gives_mate(board, move):
 
 # ---- one game --------------------------------------------------------------------------------------
 
-def play_game(game_seed, engine):
+def play_game(game_seed, engine, limit):
     """Random opening plies, then self-play until the game ends or MAX_PLIES is reached."""
     rng = random.Random(game_seed)
     board = chess.Board()
@@ -87,7 +95,7 @@ def play_game(game_seed, engine):
         else:
             # a fresh `game` per game sends ucinewgame, which clears the hash: no state carries
             # over from the previous game this worker happened to play
-            move = engine.play(board, ENGINE_LIMIT, game=game_seed).move
+            move = engine.play(board, limit, game=game_seed).move
         board.push(move)
 
 
@@ -97,13 +105,13 @@ def game_record(board, termination, result):
 
 def play_games(task):
     """One worker task: a batch of game seeds, played with one engine process."""
-    engine_path, game_seeds = task
+    engine_path, limit, game_seeds = task
     if engine_path is None:
-        return [play_game(seed, None) for seed in game_seeds]
+        return [play_game(seed, None, None) for seed in game_seeds]
     engine = chess.engine.SimpleEngine.popen_uci(engine_path)
     try:
         engine.configure(ENGINE_OPTIONS)
-        return [play_game(seed, engine) for seed in game_seeds]
+        return [play_game(seed, engine, limit) for seed in game_seeds]
     finally:
         engine.quit()
 
@@ -126,10 +134,23 @@ def find_engine(choice):
     return debian_path if os.access(debian_path, os.X_OK) else None
 
 
-def generate(games, seed, engine_path, workers):
+def drop_repeats(records, exclude):
+    """Games in the order played, less those whose moves equal an earlier game's or a game of
+    `exclude` (a set of move tuples). Stockfish is deterministic: two games whose random openings
+    coincide are the same game, move for move."""
+    seen, kept = set(exclude), []
+    for record in records:
+        moves = tuple(record["Moves"])
+        if moves not in seen:
+            seen.add(moves)
+            kept.append(record)
+    return kept
+
+
+def generate(games, seed, engine_path, limit, workers):
     # string seeds hash to independent streams; game i is the same whichever worker plays it
     seeds = [f"{seed}:{index}" for index in range(games)]
-    tasks = [(engine_path, seeds[start:start + GAMES_PER_TASK]) for start in range(0, games, GAMES_PER_TASK)]
+    tasks = [(engine_path, limit, seeds[start:start + GAMES_PER_TASK]) for start in range(0, games, GAMES_PER_TASK)]
     records = []
     report_every = max(1, len(tasks) // 10)
     with multiprocessing.Pool(workers) as pool:
@@ -190,21 +211,39 @@ def parse_args():
                         help="path to a UCI engine, 'none' for the heuristic player, or 'auto' (default): "
                              "Stockfish if installed, else the heuristic")
     parser.add_argument("--workers", type=int, default=2, help="parallel games, one engine each (default 2)")
+    parser.add_argument("--nodes", type=int, default=DEFAULT_NODES,
+                        help=f"Stockfish's search budget per move, in nodes (default {DEFAULT_NODES}); below ~100 "
+                             "the time goes to talking to the engine, not to searching")
+    parser.add_argument("--unique", action="store_true",
+                        help="drop a game that repeats an earlier one move for move (the file then holds fewer "
+                             "than --games)")
+    parser.add_argument("--exclude", type=Path, action="append", default=[],
+                        help="drop games that are also in this parquet file (repeatable): keeps another file's "
+                             "held-out games out of this one")
     args = parser.parse_args()
-    if args.games < 1 or args.workers < 1:
-        parser.error("--games and --workers must be at least 1")
+    if min(args.games, args.workers, args.nodes) < 1:
+        parser.error("--games, --workers and --nodes must be at least 1")
     return args
 
 
 def main():
     args = parse_args()
     engine_path = find_engine(args.engine)
+    limit = chess.engine.Limit(nodes=args.nodes)
     if engine_path is None:
         print("policy: heuristic fallback (mate > best capture > check > random), no engine")
     else:
-        print(f"policy: {engine_path} self-play, {ENGINE_LIMIT}, {ENGINE_OPTIONS}")
+        print(f"policy: {engine_path} self-play, {limit}, {ENGINE_OPTIONS}")
     started = time.monotonic()
-    records = generate(args.games, args.seed, engine_path, args.workers)
+    records = generate(args.games, args.seed, engine_path, limit, args.workers)
+    if args.unique or args.exclude:
+        exclude = {tuple(moves) for path in args.exclude
+                   for moves in pq.read_table(path, columns=["Moves"]).column("Moves").to_pylist()}
+        kept = drop_repeats(records, exclude) if args.unique else [
+            record for record in records if tuple(record["Moves"]) not in exclude]
+        print(f"dropped {len(records) - len(kept)} games that repeat another"
+              + (" or are in " + ", ".join(map(str, args.exclude)) if args.exclude else ""))
+        records = kept
     write_parquet_atomically(records, args.out)
     print(f"played and wrote {len(records)} games in {time.monotonic() - started:.0f} s")
     check_and_summarise(args.out)
