@@ -134,15 +134,16 @@ def find_engine(choice):
     return debian_path if os.access(debian_path, os.X_OK) else None
 
 
-def drop_repeats(records, exclude):
-    """Games in the order played, less those whose moves equal an earlier game's or a game of
-    `exclude` (a set of move tuples). Stockfish is deterministic: two games whose random openings
+def drop_games(records, exclude, unique):
+    """Games in the order played, less those of `exclude` (a set of move tuples) and, if `unique`,
+    those that repeat an earlier game. Stockfish is deterministic: two games whose random openings
     coincide are the same game, move for move."""
     seen, kept = set(exclude), []
     for record in records:
         moves = tuple(record["Moves"])
         if moves not in seen:
-            seen.add(moves)
+            if unique:
+                seen.add(moves)
             kept.append(record)
     return kept
 
@@ -239,8 +240,7 @@ def main():
     if args.unique or args.exclude:
         exclude = {tuple(moves) for path in args.exclude
                    for moves in pq.read_table(path, columns=["Moves"]).column("Moves").to_pylist()}
-        kept = drop_repeats(records, exclude) if args.unique else [
-            record for record in records if tuple(record["Moves"]) not in exclude]
+        kept = drop_games(records, exclude, args.unique)
         print(f"dropped {len(records) - len(kept)} games that repeat another"
               + (" or are in " + ", ".join(map(str, args.exclude)) if args.exclude else ""))
         records = kept

@@ -1,6 +1,6 @@
-"""Does the model learn chess? The built-in model, trained on a CPU, from ~1% legal moves to over half.
+"""Does the model learn chess? The built-in model, trained on a CPU, against its legal-move rate.
 
-    python benchmark/learn_chess.py            # the full run: under 15 minutes on 2 CPU cores
+    python benchmark/learn_chess.py            # the full run: about 15 minutes on 2 CPU cores
     python benchmark/learn_chess.py --quick    # the same path in a few steps (seconds): the test
 
 It builds under --out the demo's model (01_download/download.py --demo: the same tokenizer, shape
@@ -15,6 +15,7 @@ the greedy next move after --eval_games held-out game prefixes, checked with pyt
 Into --out it writes legal_moves.png (the legal-move rate and the validation loss against the
 tokens seen), legal_moves.md (the same as a table, with the command, the recipe and the times) and
 legal_moves.json. The wall time counts everything this command does; the games are not generated.
+Measured 2026-11-24 on 2 cores: 0.5% -> 37.0% legal moves in 907 s (the target, 50%, is not reached).
 """
 import ast
 import json
@@ -78,7 +79,7 @@ def train_command(args, model_dir, data_dir, run_dir):
                "learning_rate": args.learning_rate, "max_steps": args.max_steps, "eval_every": args.eval_every,
                "eval_games": args.eval_games, "seed": args.seed, "device": "cpu"}
     # --no_packing: one game per row, from its first move, as the evaluation shows them; packed rows
-    # start mid-game, and a row's token positions no longer tell whose move it is
+    # start mid-game and run several games together (at step 100: 7% legal moves against 16%)
     return launcher + [f"--{name}={value}" for name, value in options.items()] + ["--no_packing", "--overwrite"]
 
 
@@ -145,12 +146,12 @@ def parse_arguments(argv=None):
     parser.add("learn_games", default=str(LEARN_GAMES), help="games added to the sample's ('' for none)")
     parser.add("train_games", type=int, default=0, help="train on the first N games only (0: all)")
     parser.add("total_batch_size", type=int, default=16, help="rows per optimiser step")
-    parser.add("batch_size_per_device", type=int, default=4,
+    parser.add("batch_size_per_device", type=int, default=1,
                help="rows per forward pass; a pass pads its rows to the longest game, so fewer rows waste less")
     parser.add("max_seq_length", type=int, default=256, help="tokens per row: a longer game is cut")
     parser.add("learning_rate", type=float, default=3e-3, help="peak learning rate (cosine decay to 10%%)")
-    parser.add("max_steps", type=int, default=1000)
-    parser.add("eval_every", type=int, default=100)
+    parser.add("max_steps", type=int, default=2200)
+    parser.add("eval_every", type=int, default=200)
     parser.add("eval_games", type=int, default=200, help="held-out game prefixes for the legal-move rate")
     parser.add("seed", type=int, default=0, help="the model's initialisation and the data order")
     args = parser.parse_args(argv)

@@ -22,8 +22,8 @@ def pick_device(choice, local_rank=0):
     if choice == "auto" and allocated and os.environ.get("RANK", "0") == "0":
         print(f"note: the GPUs that Slurm allocated (CUDA_VISIBLE_DEVICES={allocated}) are not usable by CUDA here: "
               "running one CPU process per allocated GPU instead (--device cpu, gloo)", flush=True)
-    # Values below 1.2e-38 (AdamW's moments of rarely seen embedding rows decay into them) cost an
-    # x86 core up to 100x more per operation: unflushed, a CPU run's step time nearly doubled
-    # within 900 steps (benchmark/learn_chess.py). Flushed to zero, it stays flat.
+    # Values below 1.2e-38 (decaying state such as AdamW's moments ends up there) cost an x86 core
+    # far more per operation: unflushed, a 2-rank CPU run's step time nearly doubled within 900
+    # steps (benchmark/learn_chess.py). Flushed to zero, it stays flat.
     torch.set_flush_denormal(True)
     return torch.device("cpu")
