@@ -19,6 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from common.errors import exit_on_user_error
+
 METHODS = {"every_rank": "every rank loads the model", "rank0_broadcast": "rank 0 loads, broadcasts (train.py)"}
 
 
@@ -140,4 +142,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_user_error(main)  # and a rank leaves as every rank of the kit does

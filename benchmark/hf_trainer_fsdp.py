@@ -103,8 +103,8 @@ def main():
                    "wrapped_as": type(trainer.model_wrapped).__name__}  # FSDP2 names its class FSDP<model class>
         (output_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         print("hf_trainer_fsdp: " + "  ".join(f"{k}={v}" for k, v in summary.items()), flush=True)
-    # accelerate leaves its process group open; a gloo group still alive at interpreter exit can
-    # abort the process ("terminate called without an active exception") and fail the run
+    # accelerate leaves its process group open; the kit's ranks close theirs (and then leave
+    # without the interpreter's shutdown: common/errors.py's leave says why)
     dist.destroy_process_group()
 
 

@@ -1,5 +1,4 @@
 """Which device a process trains on."""
-import importlib
 import os
 
 import torch
@@ -12,7 +11,7 @@ def pick_device(choice, local_rank=0):
     global rank (global rank 5 on a 4-GPU node has no GPU 5). `auto` takes the GPU when CUDA can
     use it, else the CPU: where Slurm allocated GPUs that CUDA cannot use (the kit's test cluster
     has fake ones), the run uses one CPU process per allocated GPU instead, and says so. On the
-    CPU, denormal floats are flushed to zero and the process group can die cleanly (see below)."""
+    CPU, denormal floats are flushed to zero (see below)."""
     usable = torch.cuda.is_available()
     if choice == "cuda" and not usable:
         raise UserError("--device cuda but no usable GPU here: use --device cpu (or auto), or run on a GPU node")
@@ -27,10 +26,4 @@ def pick_device(choice, local_rank=0):
     # far more per operation: unflushed, a 2-rank CPU run's step time nearly doubled within 900
     # steps (benchmark/learn_chess.py). Flushed to zero, it stays flat.
     torch.set_flush_denormal(True)
-    # The CPU's process group (gloo) must die with destroy_process_group(). torch._dynamo, first
-    # imported after init_process_group (DDP and transformers import it), keeps references to the
-    # group, so its worker threads outlive it; one of them freeing a finished collective's tensors
-    # during the interpreter's shutdown aborts the process ("terminate called without an active
-    # exception", 6 runs in 70 here). Imported before the group exists, it holds none.
-    importlib.import_module("torch._dynamo")
     return torch.device("cpu")

@@ -25,15 +25,15 @@ def exit_on_user_error(main):
     same way, so only rank 0 prints the line: once per job, not once per rank."""
     speaks = os.environ.get("RANK", "0") == "0"
     try:
-        return main()
+        result = main()
     except UserError as err:
         if speaks:
             print(f"error: {err}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        leave(2)
     except KeyboardInterrupt:
         if speaks:
             print(f"interrupted: {interrupted_note[0]}", file=sys.stderr, flush=True)
-        sys.exit(130)
+        leave(130)
     except Exception as err:
         if stop_signal[0] is None and not lost_another_rank(err):
             raise
@@ -42,7 +42,28 @@ def exit_on_user_error(main):
         first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
         print(f"stopped: rank {os.environ.get('RANK', 0)} lost another rank of the job ({first})",
               file=sys.stderr, flush=True)
-        sys.exit(128 + stop_signal[0] if stop_signal[0] else 1)
+        leave(128 + stop_signal[0] if stop_signal[0] else 1)
+    if LAUNCHED_BY_TORCHRUN:
+        leave(0)
+    return result
+
+
+# torchrun sets it for every rank it starts.
+LAUNCHED_BY_TORCHRUN = "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def leave(code):
+    """Exit with `code`. A rank that torchrun started skips the interpreter's shutdown: a gloo
+    process group that outlives destroy_process_group() (fully_shard's hooks keep step 4's alive;
+    so does the Trainer's) still has worker threads, and one of them freeing a finished
+    collective's tensors needs Python. While Python shuts down, that aborts the process
+    ("terminate called without an active exception") and fails a job that has done its work.
+    By now the run has closed everything it wrote; only the standard streams need flushing."""
+    if not LAUNCHED_BY_TORCHRUN:
+        sys.exit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def lost_another_rank(err):
