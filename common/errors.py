@@ -22,18 +22,19 @@ stop_signal = [None]
 def exit_on_user_error(main):
     """Run main(); turn a UserError into `error: ...` on stderr and exit status 2, and a Ctrl-C
     into one `interrupted:` line. Under torchrun every rank checks the same inputs and fails the
-    same way, so only rank 0 prints the line: once per job, not once per rank."""
+    same way, so only rank 0 prints the line: once per job, not once per rank. A rank that
+    torchrun started and whose main() finished exits at once (leave_after_success says why)."""
     speaks = os.environ.get("RANK", "0") == "0"
     try:
         result = main()
     except UserError as err:
         if speaks:
             print(f"error: {err}", file=sys.stderr, flush=True)
-        leave(2)
+        sys.exit(2)
     except KeyboardInterrupt:
         if speaks:
             print(f"interrupted: {interrupted_note[0]}", file=sys.stderr, flush=True)
-        leave(130)
+        sys.exit(130)
     except Exception as err:
         if stop_signal[0] is None and not lost_another_rank(err):
             raise
@@ -42,9 +43,9 @@ def exit_on_user_error(main):
         first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
         print(f"stopped: rank {os.environ.get('RANK', 0)} lost another rank of the job ({first})",
               file=sys.stderr, flush=True)
-        leave(128 + stop_signal[0] if stop_signal[0] else 1)
+        sys.exit(128 + stop_signal[0] if stop_signal[0] else 1)
     if LAUNCHED_BY_TORCHRUN:
-        leave(0)
+        leave_after_success()
     return result
 
 
@@ -52,18 +53,17 @@ def exit_on_user_error(main):
 LAUNCHED_BY_TORCHRUN = "TORCHELASTIC_RUN_ID" in os.environ
 
 
-def leave(code):
-    """Exit with `code`. A rank that torchrun started skips the interpreter's shutdown: a gloo
-    process group that outlives destroy_process_group() (fully_shard's hooks keep step 4's alive;
-    so does the Trainer's) still has worker threads, and one of them freeing a finished
-    collective's tensors needs Python. While Python shuts down, that aborts the process
-    ("terminate called without an active exception") and fails a job that has done its work.
-    By now the run has closed everything it wrote; only the standard streams need flushing."""
-    if not LAUNCHED_BY_TORCHRUN:
-        sys.exit(code)
+def leave_after_success():
+    """Exit 0 without the interpreter's shutdown: a gloo process group that outlives
+    destroy_process_group() (fully_shard's hooks keep step 4's alive; so does the Trainer's)
+    still has worker threads, and one of them freeing a finished collective's tensors needs
+    Python; while Python shuts down, that aborts the process ("terminate called without an
+    active exception") and fails a job that has done its work. By now the run has closed
+    everything it wrote; only the standard streams need flushing. (Failures keep the normal
+    exit: its slower shutdown leaves rank 0 time to say why before torchrun stops the others.)"""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    os._exit(0)
 
 
 def lost_another_rank(err):

@@ -226,17 +226,16 @@ def test_killing_the_launcher_takes_every_rank_with_it(demo, tmp_path, step):
 
 
 
-@pytest.mark.parametrize("outcome, code", [("done", 0), ("user error", 2)])
-def test_a_rank_leaves_without_the_interpreters_shutdown(tmp_path, outcome, code):
+def test_a_finished_rank_leaves_without_the_interpreters_shutdown(tmp_path):
     """A gloo group that outlives destroy_process_group() (step 4's does) still has threads; one of
     them freeing a finished collective's tensors while Python shuts down aborts the rank
     ("terminate called without an active exception": a finished job failed, 5 runs in 30 here).
-    So a rank leaves with os._exit, once main() is over: its exit status and all it printed are
+    So a rank whose main() is over leaves with os._exit: its exit status and all it printed are
     kept, and the interpreter's shutdown (here, an atexit handler) never runs."""
     probe = tmp_path / "probe.py"
-    probe.write_text(f"""import atexit
+    probe.write_text("""import atexit
 import torch.distributed as dist
-from common.errors import UserError, exit_on_user_error
+from common.errors import exit_on_user_error
 
 atexit.register(print, "interpreter shutdown ran")
 
@@ -247,17 +246,11 @@ def main():
     dist.destroy_process_group()
     if dist.get_node_local_rank() == 0:
         print("rank 0 done")  # buffered (stdout is a pipe) and never flushed here
-    if {outcome == "user error"}:
-        raise UserError("a bad input")
 
 
 exit_on_user_error(main)
 """)
     result = run_step(probe, [], nproc=2, check=False)
-    if code:  # plain torchrun exits 1 and names the rank's own status
-        assert result.returncode == 1 and f"(exitcode: {code})" in result.stderr, result.stderr[-3000:]
-    else:
-        assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, result.stderr[-3000:]
     assert "rank 0 done" in result.stdout, result.stdout[-2000:]
     assert "interpreter shutdown ran" not in result.stdout
-    assert ("error: a bad input" in result.stderr) == (outcome == "user error")
