@@ -142,4 +142,4 @@ def main():
 
 
 if __name__ == "__main__":
-    exit_on_user_error(main)  # and a rank leaves as every rank of the kit does
+    exit_on_user_error(main)  # its torchrun ranks then end as the training scripts' do

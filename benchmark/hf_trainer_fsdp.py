@@ -104,7 +104,7 @@ def main():
         (output_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         print("hf_trainer_fsdp: " + "  ".join(f"{k}={v}" for k, v in summary.items()), flush=True)
     # accelerate leaves its process group open; the kit's ranks close theirs (and then leave
-    # without the interpreter's shutdown: common/errors.py's leave says why)
+    # without the interpreter's shutdown: common/errors.py's leave_after_success says why)
     dist.destroy_process_group()
 
 

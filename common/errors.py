@@ -17,6 +17,8 @@ def first_line(err):
 interrupted_note = ["nothing was saved"]
 # Set by common.signals when the run is told to stop (SIGTERM, USR2, Ctrl-C).
 stop_signal = [None]
+# torchrun sets it for every rank it starts.
+LAUNCHED_BY_TORCHRUN = "TORCHELASTIC_RUN_ID" in os.environ
 
 
 def exit_on_user_error(main):
@@ -47,10 +49,6 @@ def exit_on_user_error(main):
     if LAUNCHED_BY_TORCHRUN:
         leave_after_success()
     return result
-
-
-# torchrun sets it for every rank it starts.
-LAUNCHED_BY_TORCHRUN = "TORCHELASTIC_RUN_ID" in os.environ
 
 
 def leave_after_success():

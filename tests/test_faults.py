@@ -225,7 +225,6 @@ def test_killing_the_launcher_takes_every_rank_with_it(demo, tmp_path, step):
         log.close()
 
 
-
 def test_a_finished_rank_leaves_without_the_interpreters_shutdown(tmp_path):
     """A gloo group that outlives destroy_process_group() (step 4's does) still has threads; one of
     them freeing a finished collective's tensors while Python shuts down aborts the rank
@@ -250,7 +249,6 @@ def main():
 
 exit_on_user_error(main)
 """)
-    result = run_step(probe, [], nproc=2, check=False)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_step(probe, [], nproc=2)  # fails unless torchrun exits 0
     assert "rank 0 done" in result.stdout, result.stdout[-2000:]
     assert "interpreter shutdown ran" not in result.stdout
