@@ -167,7 +167,9 @@ def make_executor(args, timeout_min, warning_s):
         **({"partition": args.partition} if args.partition is not None else {}),
         **({"account": args.account} if args.account is not None else {}),
         # Compute nodes have no internet; huggingface_hub and datasets read these at import time.
-        setup=["export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1"],
+        # Less fragmentation of GPU memory (as in the templates); a value set before submitting wins.
+        setup=["export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1",
+               "export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"],
         # --cpus-per-task again: srun of Slurm 22.05 to 23.02 does not take it from the batch job.
         srun_args=["--kill-on-bad-exit=1", f"--cpus-per-task={cpus_per_task}"],
     )

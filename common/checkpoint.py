@@ -68,14 +68,16 @@ def stop_if_not_finite(loss, step, output_dir):
 
 
 def tensor_bytes(state):
-    """Bytes of the tensors in a (nested) state dict; of this rank's shards for DTensors."""
+    """Bytes that saving the tensors of a (nested) state dict writes: a DTensor counts with its
+    full size, whatever its sharding. torch.distributed.checkpoint writes each piece of a tensor
+    once, however many ranks hold a copy (HYBRID_SHARD's replicas, NO_SHARD's full copies, the
+    plain tensors every rank has), so the ranks' files together hold each tensor exactly once."""
     if isinstance(state, dict):
         return sum(tensor_bytes(value) for value in state.values())
     if isinstance(state, (list, tuple)):
         return sum(tensor_bytes(value) for value in state)
     if isinstance(state, torch.Tensor):
-        local = state.to_local() if hasattr(state, "to_local") else state
-        return local.numel() * local.element_size()
+        return state.numel() * state.element_size()  # a DTensor's numel() is its global one
     return 0
 
 
@@ -138,17 +140,25 @@ def mark_complete(path, keep):
 
 
 def train_state(step, scheduler, extra):
-    """Everything besides weights and optimizer: where the run is and the random state."""
+    """Everything besides weights and optimizer: where the run is and the random state. On a GPU,
+    the state of the saving rank's own GPU only (the current device), not of every GPU of its
+    node: a run saved on 8 GPUs per node resumes on 4."""
     return {"step": step, "scheduler": scheduler.state_dict(), "python_rng": random.getstate(),
             "torch_rng": torch.get_rng_state(),
-            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [], **extra}
+            "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None, **extra}
 
 
 def restore_rng(state):
+    """Every rank takes the saved states, each into its own GPU (all ranks start from one seed).
+    A checkpoint of the CPU resumes on a GPU with the GPU's state as seeded, and the other way
+    round the GPU's state is left out."""
     random.setstate(state["python_rng"])
     torch.set_rng_state(state["torch_rng"])
-    if state["cuda_rng"]:
-        torch.cuda.set_rng_state_all(state["cuda_rng"])
+    cuda_rng = state["cuda_rng"]
+    if isinstance(cuda_rng, list):  # written by an older kit: every GPU of rank 0's node; the first is its own
+        cuda_rng = cuda_rng[0] if cuda_rng else None
+    if cuda_rng is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cuda_rng)
 
 
 def load_file(path):

@@ -63,28 +63,56 @@ def peak_memory(device):
     return figures
 
 
-# Dense bf16 peak of one GPU, FLOP/s, from the vendors' data sheets (without sparsity).
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+# Dense bf16 peak of one GPU, FLOP/s, from the vendors' data sheets (without sparsity), by the
+# full name CUDA gives the device: the PCIe and NVL H100s are slower than the SXM one.
+PEAK_BF16_FLOPS = {
+    "NVIDIA H100 80GB HBM3": 989e12,  # H100 SXM5
+    "NVIDIA H100 PCIe": 756e12,
+    "NVIDIA H100 NVL": 835e12,
+    "NVIDIA H200": 989e12,  # H200 SXM
+    "NVIDIA H200 NVL": 835e12,
+    "NVIDIA GH200 480GB": 989e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100-SXM4-40GB": 312e12,
+    "NVIDIA A100 80GB PCIe": 312e12,
+    "NVIDIA A100-PCIE-40GB": 312e12,
+}
 
 
 def flops_per_token(model, seq_len):
-    """Training FLOPs per token, as PaLM (appendix B) and torchtitan count them:
-    6 × parameters (2 in forward, 4 in backward, one multiply-add = 2 FLOPs per weight), leaving
-    out the input embedding (a table lookup, no matmul), plus attention's scores and weighted
-    sum, 12 × layers × hidden × seq_len. Recomputation for activation checkpointing is not
-    counted: MFU measures useful work."""
+    """Training FLOPs per token, as PaLM (appendix B) and torchtitan count them: each weight of a
+    matrix multiplication costs 2 FLOPs in forward (one multiply-add), 2 in backward for the
+    gradient of its input and 2 for its own gradient: 6 for a trained weight, 4 for a frozen one
+    (LoRA's base model: no weight gradient is computed; about 4, as the first layer's projections
+    of the embeddings need no input gradient either). Plus attention's scores and weighted sum,
+    12 × layers × hidden × seq_len. The weights are counted by the layers' shapes (in × out), not
+    by numel(): a 4-bit QLoRA weight is stored packed, 2 values a byte. The input embedding is a
+    table lookup, no matmul; norms and biases are left out (a few thousandths of the total).
+    Recomputation for activation checkpointing is not counted: MFU measures useful work."""
     config = model.config
-    params = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
-    return 6 * params + 12 * config.num_hidden_layers * config.hidden_size * seq_len
+    flops = 12 * config.num_hidden_layers * config.hidden_size * seq_len
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):  # also bitsandbytes' Linear4bit and peft's adapters
+            flops += (6 if module.weight.requires_grad else 4) * module.in_features * module.out_features
+    return flops
+
+
+def peak_flops(device):
+    """(the dense bf16 peak FLOP/s of this GPU, its name), or (None, name) for a GPU not in the table."""
+    name = torch.cuda.get_device_name(device)
+    return PEAK_BF16_FLOPS.get(name), name
 
 
 def model_flops_utilization(tokens_per_s_per_device, flops_per_token, device):
-    """{"mfu": achieved / peak FLOP/s} on a GPU whose peak we know; {} elsewhere (CPU, other GPUs)."""
+    """{"mfu": achieved / peak FLOP/s, "mfu_peak_tflops": the peak it was measured against} on a
+    GPU whose peak we know (the GPU's name is the run's gpu_type, run_params); {} elsewhere (CPU,
+    other GPUs: add yours to PEAK_BF16_FLOPS under the name CUDA gives it)."""
     if device.type != "cuda":
         return {}
-    name = torch.cuda.get_device_name(device)
-    peak = next((flops for gpu, flops in PEAK_BF16_FLOPS.items() if gpu in name), None)
-    return {"mfu": round(tokens_per_s_per_device * flops_per_token / peak, 4)} if peak else {}
+    peak, _ = peak_flops(device)
+    if peak is None:
+        return {}
+    return {"mfu": round(tokens_per_s_per_device * flops_per_token / peak, 4), "mfu_peak_tflops": peak / 1e12}
 
 
 class StepTimer:
@@ -137,6 +165,7 @@ def write_summary(output_dir, name, records, untrained, peaks_per_rank):
             summary[f"{key}_per_rank"] = max(p[key] for p in peaks_per_rank)
     if "mfu" in last:
         summary["mfu"] = round(sum(r["mfu"] for r in timed) / len(timed), 4)
+        summary["mfu_peak_tflops"] = last["mfu_peak_tflops"]
     saves = [r["checkpoint_save_s"] for r in records if "checkpoint_save_s" in r]
     if saves:
         summary["checkpoint_save_s_max"] = round(max(saves), 3)

@@ -53,6 +53,9 @@ echo "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $SLURM_NNODES node(
   "on $SLURM_JOB_NODELIST; output in $OUTPUT_DIR"
 
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1  # compute nodes are offline: everything is on disk (01_download)
+# Memory freed in one size is reused for another (less fragmentation: fewer out-of-memory errors with
+# free memory left, e.g. with FSDP's changing gather sizes); a value set before sbatch wins.
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 export OMP_NUM_THREADS=$(( ${SLURM_CPUS_PER_TASK:-$GPUS_PER_NODE} / GPUS_PER_NODE ))  # the node's CPUs, split
 export SRUN_CPUS_PER_TASK=${SLURM_CPUS_PER_TASK:-1}  # srun of Slurm 22.05-23.02 does not inherit it
 

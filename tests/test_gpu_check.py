@@ -1,29 +1,53 @@
-"""benchmark/gpu_check.py on the CPU with a shrunk shape: every row is there; steps 3 and 4 and the
-7B-shape runs go through gloo; what needs CUDA is skipped with its reason, and no GPU figure is
-made up (MFU and GPU memory stay empty)."""
+"""benchmark/gpu_check.py on the CPU with a shrunk shape, started the way a site starts it, by
+slurm/gpu_check.sh: every row is there; steps 3 and 4 and the 7B-shape runs go through gloo; what
+needs CUDA is skipped with its reason, no GPU figure is made up (MFU and GPU memory stay empty), and
+the verdict, the output's last line, is "NOT ready". The verdict's and QLoRA's rules, and the
+template's refusals, are checked on their own below."""
 import json
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from common.steps import load_script
 from conftest import REPO
 
-ROWS = ["step 2", "step 3", "step 4", "7B shape, LoRA", "7B shape, QLoRA", "7B shape, full fine-tuning"]
+ROWS = ["step 2", "step 3", "step 4", "step 4, CPU offload", "step 5, CPU offload", "7B shape, LoRA",
+        "7B shape, QLoRA", "7B shape, full fine-tuning"]
+
+
+def sbatch_environment(nodes=1, gpus=2, **extra):
+    """What sbatch gives the template on one node (no Slurm here): the job's variables, and the
+    kit's Python first on PATH, as after activating its environment."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("SLURM")}
+    return {**env, "SLURM_JOB_ID": "17", "SLURM_NNODES": str(nodes), "SLURM_GPUS_ON_NODE": str(gpus),
+            "SLURM_SUBMIT_DIR": str(REPO), "SLURM_JOB_NODELIST": "node1",
+            "PATH": f"{Path(sys.executable).parent}:{env['PATH']}", **extra}
 
 
 @pytest.fixture(scope="module")
 def cpu_run(demo, tmp_path_factory):
-    """One run of the whole check: 2 CPU processes, 2 layers of hidden 128 in the 7B config."""
+    """One run of the whole check through the template: 2 CPU processes, 2 layers of hidden 128."""
     work_dir = tmp_path_factory.mktemp("gpu_check")
-    command = [sys.executable, str(REPO / "benchmark/gpu_check.py"), "--layers", "2", "--hidden", "128",
+    command = [shutil.which("bash"), "slurm/gpu_check.sh", "--layers", "2", "--hidden", "128",
                "--heads", "2", "--intermediate", "256", "--seq_length", "64", "--steps", "2",
-               "--data_dir", str(demo / "data"), "--tokenizer", str(demo / "model"), "--work_dir", str(work_dir)]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # the CPU path, even on a machine with a GPU
+               "--data_dir", str(demo / "data"), "--tokenizer", str(demo / "model")]
+    env = sbatch_environment(WORK_DIR=str(work_dir), CUDA_VISIBLE_DEVICES="")  # the CPU path, even with a GPU
     done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env, cwd=REPO)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]  # no GPU: not ready
     return work_dir, done.stdout
+
+
+def test_the_job_ends_with_the_table_and_the_verdict(cpu_run):
+    work_dir, stdout = cpu_run
+    assert stdout.startswith(f"job 17: GPU check on node1, 2 GPU(s); table in {work_dir}\n")
+    assert stdout.endswith((work_dir / "gpu_check.md").read_text())
+    assert stdout.splitlines()[-1] == ("verdict: NOT ready: no usable CUDA GPU here; of the checks that run on the "
+                                       "CPU 4 passed")
+    assert json.loads((work_dir / "gpu_check.json").read_text())["verdict"] == stdout.splitlines()[-1]
 
 
 def test_one_table_with_every_row(cpu_run):
@@ -40,6 +64,8 @@ def test_the_cpu_runs_what_it_can_and_says_why_it_skips_the_rest(cpu_run):
     rows = {row["check"]: row for row in json.loads((work_dir / "gpu_check.json").read_text())["rows"]}
     assert rows["step 2"]["result"] == "skipped: no CUDA GPU here"
     assert rows["7B shape, QLoRA"]["result"] == "skipped: needs CUDA and bitsandbytes"
+    for check in ("step 4, CPU offload", "step 5, CPU offload"):
+        assert rows[check]["result"].startswith("skipped: no CUDA GPU here")
     for check in ("step 3", "step 4"):
         assert rows[check]["result"] == "ok" and "gloo, CPU" in rows[check]["setup"]
     for check in ("7B shape, LoRA", "7B shape, full fine-tuning"):
@@ -61,3 +87,53 @@ def test_the_7b_shape_is_codellamas_with_the_demo_tokenizer(cpu_run):
     assert (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (2, 128, 32016)
     assert not list((work_dir / "model").glob("*.safetensors"))  # random weights: none written
     assert (work_dir / "model" / "tokenizer.json").is_file()
+
+
+# ---- the verdict and QLoRA's comparison with LoRA, on rows as the runs leave them ----------------
+
+gpu_check = load_script("benchmark/gpu_check.py")
+CODELLAMA = json.loads((REPO / "benchmark/codellama-7b-config.json").read_text())
+
+
+def row(check, result="ok (stopped after 4 steps)", **figures):
+    return {"check": check, "setup": "", "result": result, **figures}
+
+
+def test_a_gpu_node_is_ready_only_when_nothing_failed():
+    rows = [row("step 2", "ok"), row("7B shape, full fine-tuning", "skipped: does not fit on 1 GPU(s)")]
+    assert gpu_check.verdict(rows, True, "8 x H100") == (
+        "verdict: ready: 1 checks passed on 8 x H100; skipped: 7B shape, full fine-tuning (does not fit on 1 GPU(s))",
+        0)
+    for failure in ("out of memory", "failed (exit 1, see x.log)", "stopped: out of time (--time_limit)",
+                    "not run: the time limit (--time_limit) is used up", "FAILED: peak 20.0 GiB"):
+        line, status = gpu_check.verdict([*rows, row("7B shape, QLoRA", failure)], True, "8 x H100")
+        assert (line, status) == ("verdict: NOT ready: 7B shape, QLoRA failed on 8 x H100 (see the table and the "
+                                  "logs)", 1)
+
+
+@pytest.mark.parametrize("qlora_peak, qlora_losses, problem", [
+    (12.0, [10.40, 10.38], None),  # 7B on 1 GPU: 26.5 GiB of fp32 weights against 3.3 in 4 bits
+    (30.0, [10.40, 10.38], "4-bit weights should save about 21.1 GiB"),  # the quantisation lost
+    (12.0, [10.40, 12.0], "mean loss 11.2 against LoRA's 10.39"),
+    (12.0, [float("nan"), 10.38], "mean loss nan"),
+])
+def test_qlora_fails_unless_its_memory_and_loss_are_those_of_4_bit_weights(qlora_peak, qlora_losses, problem):
+    lora = row("7B shape, LoRA", peak_allocated_gib=35.0, losses=[10.40, 10.38, 10.5])
+    qlora = row("7B shape, QLoRA", peak_allocated_gib=qlora_peak, losses=qlora_losses)
+    gpu_check.compare_qlora(qlora, lora, CODELLAMA, 1)
+    if problem is None:
+        assert qlora["result"] == "ok (stopped after 4 steps)"
+    else:
+        assert qlora["result"].startswith("FAILED: ") and problem in qlora["result"], qlora["result"]
+
+
+@pytest.mark.parametrize("environment, words", [
+    ({"SLURM_NNODES": "2"}, "this job has 2 node(s) × 2 GPU(s)"),
+    ({"SLURM_GPUS_ON_NODE": "0"}, "this job has 1 node(s) × 0 GPU(s)"),
+    ({"SLURM_JOB_ID": ""}, "submit this script with sbatch"),
+])
+def test_the_template_refuses_a_job_that_is_not_one_node_with_gpus(environment, words):
+    done = subprocess.run([shutil.which("bash"), "slurm/gpu_check.sh"], capture_output=True, text=True, timeout=60,
+                          env=sbatch_environment(**environment), cwd=REPO)
+    assert (done.returncode, done.stdout) == (2, "") and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith("error: ") and words in done.stderr

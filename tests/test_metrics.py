@@ -17,16 +17,79 @@ CODELLAMA_7B = dict(vocab_size=32016, hidden_size=4096, intermediate_size=11008,
 
 
 def test_flops_per_token_of_codellama_7b():
-    """6 × (all parameters but the input embedding) + 12 × layers × hidden × seq_len, with the
-    parameters counted from the architecture by hand, not by the model."""
+    """6 × the weights of every matrix multiplication (all but the input embedding and the norms)
+    + 12 × layers × hidden × seq_len, with the weights counted from the architecture by hand."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(LlamaConfig(**CODELLAMA_7B))
     h, i, layers, vocab, seq = 4096, 11008, 32, 32016, 4096
-    per_layer = 4 * h * h + 3 * h * i + 2 * h  # q k v o, gate up down, two RMSNorms
-    non_embedding = layers * per_layer + h + vocab * h  # + final norm + lm_head (a matmul)
-    assert non_embedding + vocab * h == sum(p.numel() for p in model.parameters())  # 6.74B, as published
-    assert flops_per_token(model, seq) == 6 * non_embedding + 12 * layers * h * seq
+    matmul_weights = layers * (4 * h * h + 3 * h * i) + vocab * h  # q k v o, gate up down; lm_head
+    norms = layers * 2 * h + h
+    assert matmul_weights + norms + vocab * h == sum(p.numel() for p in model.parameters())  # 6.74B, as published
+    assert flops_per_token(model, seq) == 6 * matmul_weights + 12 * layers * h * seq
     assert 4.5e10 < flops_per_token(model, seq) < 4.7e10  # ≈ 46 GFLOP per token at 4k context
+
+
+SMALL_LLAMA = dict(vocab_size=256, hidden_size=128, intermediate_size=344, num_hidden_layers=8,
+                   num_attention_heads=4, num_key_value_heads=4, attn_implementation="eager")
+
+
+def counted_flops_per_token(model, seq):
+    """What torch's FLOP counter counts for one training step's forward and backward, per token."""
+    from torch.utils.flop_counter import FlopCounterMode
+    tokens = torch.randint(0, 256, (2, seq))
+    with FlopCounterMode(display=False) as counter:
+        model(tokens, labels=tokens).loss.backward()
+    return counter.get_total_flops() / tokens.numel()
+
+
+def test_the_flop_count_of_full_fine_tuning_is_torchs_own():
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**SMALL_LLAMA))
+    assert flops_per_token(model, 64) == pytest.approx(counted_flops_per_token(model, 64), rel=0.01)
+
+
+def test_lora_frozen_weights_count_4_flops_not_6():
+    """LoRA's frozen weights compute no weight gradient: torch's FLOP counter agrees with the
+    formula within 4 % (the first layer's q, k, v projections need no input gradient either), and
+    counting them at 6 (as for full fine-tuning) would overstate the work by over a third."""
+    from peft import LoraConfig, get_peft_model
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_config(LlamaConfig(**SMALL_LLAMA)),
+                           LoraConfig(r=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                           "up_proj", "down_proj"], task_type="CAUSAL_LM"))
+    counted = counted_flops_per_token(model, 64)
+    assert flops_per_token(model, 64) == pytest.approx(counted, rel=0.04)
+    for param in model.parameters():
+        param.requires_grad_(True)  # what the old formula assumed
+    assert flops_per_token(model, 64) > 1.35 * counted
+
+
+def test_a_4_bit_weight_counts_its_full_shape():
+    """bitsandbytes' Linear4bit keeps in_features and out_features and stores its weight packed,
+    2 values a byte in bf16 elements: a quarter of the numel. The same layer, its weight packed
+    like that, costs the same FLOPs. (bitsandbytes itself is for the GPU nodes, environment.yml.)"""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**SMALL_LLAMA))
+    unpacked = flops_per_token(model, 64)
+    for layer in model.model.layers:
+        for linear in (layer.self_attn.q_proj, layer.mlp.down_proj):
+            linear.weight = torch.nn.Parameter(torch.empty(linear.weight.numel() // 4, 1, dtype=torch.bfloat16),
+                                               requires_grad=linear.weight.requires_grad)
+    assert flops_per_token(model, 64) == unpacked
+
+
+@pytest.mark.parametrize("name, peak", [("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756),
+                                        ("NVIDIA H100 NVL", 835), ("NVIDIA H200", 989),
+                                        ("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA RTX A6000", None)])
+def test_mfu_is_against_the_peak_of_the_exact_gpu_and_says_which(monkeypatch, name, peak):
+    """Code path only for the device name (CUDA would give it): the PCIe and NVL H100s are not
+    measured against the SXM's peak; an unknown GPU gets no MFU rather than a guess."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    figures = model_flops_utilization(1000.0, 4.6e10, torch.device("cuda", 0))
+    if peak is None:
+        assert figures == {}
+    else:
+        assert figures == {"mfu": round(1000 * 4.6e10 / (peak * 1e12), 4), "mfu_peak_tflops": peak}
 
 
 def test_no_mfu_without_a_known_gpu_peak():

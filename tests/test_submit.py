@@ -67,7 +67,8 @@ def test_dry_run_prints_the_plan_and_the_sbatch_script_without_slurm(no_slurm_en
     for line in ["#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=4",
                  "#SBATCH --cpus-per-task=32", "#SBATCH --partition=gpu", "#SBATCH --account=chess",
                  "#SBATCH --time=1470", "#SBATCH --signal=USR2@300", "#SBATCH --requeue",
-                 "export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1"]:
+                 "export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1",
+                 "export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"]:
         assert line in out.splitlines(), line
     assert "--kill-on-bad-exit=1 --cpus-per-task=32" in out
     assert "nothing submitted" in out and "submitted job" not in out

@@ -1,0 +1,28 @@
+"""Starting the process group: which library carries which tensors, and how long a rank waits.
+
+Under torchrun every rank joins one group (steps 3 to 5). On GPUs NCCL carries the collectives,
+and only GPU tensors; on the CPU gloo does. A collective waits at most `timeout_s` for the other
+ranks, then fails the job: long enough for the slowest legitimate wait (the other ranks wait in
+the first broadcast while rank 0 reads 7B from a shared file system, and at a barrier while rank 0
+writes a 7B checkpoint), short enough that a hung job does not hold its GPUs for hours.
+"""
+from datetime import timedelta
+
+import torch.distributed as dist
+
+
+def backend(device_type, cpu_tensors=False):
+    """gloo on the CPU; NCCL on GPUs. Where some reduced tensors stay in host memory (FSDP's CPU
+    offload keeps the sharded weights and gradients there, so the gradient norm and the load's
+    broadcast reduce CPU tensors), gloo carries those: "cuda:nccl,cpu:gloo", as torchtitan does."""
+    if device_type != "cuda":
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if cpu_tensors else "nccl"
+
+
+def init_process_group(device, timeout_s, cpu_tensors=False):
+    """Join the job's process group. On a GPU, `device_id` binds this rank's GPU to it: NCCL
+    connects at once (a broken network shows here, not at the first collective), and the
+    sub-groups of a 2-D mesh are split from it."""
+    dist.init_process_group(backend=backend(device.type, cpu_tensors), timeout=timedelta(seconds=timeout_s),
+                            device_id=device if device.type == "cuda" else None)
