@@ -9,9 +9,10 @@ The real path puts the model and the dataset's parquet files in the Hugging Face
 or --cache_dir) and uses the files where they are: OUT/data/train/ links to them (the last one
 cut to the number of games asked for), and the held-out games follow in OUT/data/validation.jsonl.
 Millions of games are never rewritten as text; 01_download/prepare.py (or the first training
-run) tokenizes them once. Running it again downloads nothing. The demo builds a tiny Llama with a
-one-token-per-move tokenizer and writes the chess sample shipped with the repo (made by
-make_chess_sample.py) as OUT/data/{train,validation}.jsonl, one {"text": "e2e4 e7e5 ..."} per game.
+run) tokenizes them once. Running it again downloads nothing. The demo builds a tiny Llama that
+reads games in the piece notation (`P e2 e4`: common/notation.py) and writes the chess sample
+shipped with the repo (made by make_chess_sample.py) as OUT/data/{train,validation}.jsonl, one
+{"text": "e2e4 e7e5 ..."} per game: the data stays UCI, the notation is made when it is prepared.
 """
 import argparse
 import contextlib
@@ -23,7 +24,10 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from common.chess_eval import held_out_split
 from common.errors import UserError, exit_on_user_error
+from common.notation import CONFIG_KEY as NOTATION_KEY
+from common.notation import vocabulary
 
 HERE = Path(__file__).resolve().parent
 SHIPPED_SAMPLE = HERE / "chess_sample.parquet"
@@ -59,13 +63,14 @@ def write_jsonl(games, path):
 
 
 def write_splits(games, data_dir, validation_games):
-    """The last `validation_games` games are held out; the rest are for training."""
+    """The last `validation_games` openings are held out, with every game that opens alike; the rest
+    are for training (common/chess_eval.py: held_out_split)."""
     if len(games) <= validation_games:
         raise UserError(f"only {len(games)} games, but {validation_games} are to be held out for validation")
-    write_jsonl(games[:-validation_games], data_dir / "train.jsonl")
-    write_jsonl(games[-validation_games:], data_dir / "validation.jsonl")
-    manifest = {"train_games": len(games) - validation_games, "validation_games": validation_games}
-    return manifest
+    train, validation = held_out_split(games, validation_games)
+    write_jsonl(train, data_dir / "train.jsonl")
+    write_jsonl(validation, data_dir / "validation.jsonl")
+    return {"train_games": len(train), "validation_games": len(validation)}
 
 
 # ---- the real download (login node, internet) ---------------------------------------------------
@@ -222,31 +227,13 @@ def download(args):
 
 # ---- the built-in tiny default (no network) -----------------------------------------------------
 
-def all_uci_moves():
-    """Every move a piece could ever make, as UCI text: queen lines and knight jumps from every
-    square, plus promotions. About 2,000 words: one token per move."""
-    files, ranks = "abcdefgh", "12345678"
-    moves = set()
-    for f0 in range(8):
-        for r0 in range(8):
-            for f1 in range(8):
-                for r1 in range(8):
-                    df, dr = abs(f1 - f0), abs(r1 - r0)
-                    if (df, dr) != (0, 0) and (df == 0 or dr == 0 or df == dr or {df, dr} == {1, 2}):
-                        moves.add(files[f0] + ranks[r0] + files[f1] + ranks[r1])
-    for f0 in range(8):
-        for f1 in (f0 - 1, f0, f0 + 1):
-            if 0 <= f1 < 8:
-                for r0, r1 in (("7", "8"), ("2", "1")):
-                    for piece in "qrbn":
-                        moves.add(files[f0] + r0 + files[f1] + r1 + piece)
-    return sorted(moves)
-
-
-def build_move_tokenizer():
+def build_word_tokenizer(notation="piece"):
+    """One token per word of the notation (common/notation.py). The built-in one reads the piece
+    notation: 6 pieces, 64 squares and 4 promotions, and `N g1 f3` is three tokens, so the model
+    must know where the pieces are. In UCI a move is one token (benchmark/learn_chess.py compares)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + all_uci_moves())}
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + vocabulary(notation))}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     core.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
@@ -254,15 +241,18 @@ def build_move_tokenizer():
                                    bos_token="<s>", eos_token="</s>")
 
 
-def build_tiny_llama(tokenizer, seed):
-    """The CodeLlama architecture (LlamaForCausalLM), shrunk to ~4M parameters."""
+def build_tiny_llama(tokenizer, seed, notation="piece", layers=8, hidden=128):
+    """The CodeLlama architecture (LlamaForCausalLM), shrunk to 1.6M parameters: deep and narrow
+    (8 layers of 128) learns the board fastest per CPU-second (the README's table). Its context
+    holds a whole game of 300 plies in the piece notation. config.json names the notation."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=688,
-                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=round(hidden * 2.6875),
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
                          max_position_embeddings=1024, rms_norm_eps=1e-5, tie_word_embeddings=False,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id)
+    setattr(config, NOTATION_KEY, notation)
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
 
@@ -272,7 +262,7 @@ def build_demo(args):
     if (out / "data" / "download.json").is_file():  # checked before anything is built or written
         raise UserError(f"{out / 'data'} holds a real download (download.json): its games stay; write the demo "
                         "to another --out (e.g. --out demo)")
-    tokenizer = build_move_tokenizer()
+    tokenizer = build_word_tokenizer()
     model = build_tiny_llama(tokenizer, args.seed)
     model.save_pretrained(out / "model", safe_serialization=True)
     tokenizer.save_pretrained(out / "model")

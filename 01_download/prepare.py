@@ -5,9 +5,11 @@
 
 It reads DATA_DIR/{train,validation}.jsonl (or DATA_DIR/{train,validation}/*.parquet, the files
 of laion/strategic_game_chess as they are), checks every game, tokenizes with all the cores it may
-use, and writes a flat token file that every rank of a training run memory-maps. The copy is found
-again by content: the bytes of the data, the tokenizer, --max_seq_length and packing. So prepare
-with the settings you will train with; a run that finds no prepared copy makes one itself (one
+use, and writes a flat token file that every rank of a training run memory-maps. The games are
+written in the model's notation (the built-in model's `P e2 e4`, made by replaying each game; UCI
+for CodeLlama unless --notation says otherwise). The copy is found again by content: the bytes of
+the data, the tokenizer, the notation, --max_seq_length and packing. So prepare with the settings
+you will train with; a run that finds no prepared copy makes one itself (one
 process does, the others wait), which on a million games costs the job a minute or so.
 
 The copy goes to $HF_DATASETS_CACHE/chess-kit (else $HF_HOME/datasets/chess-kit, else
@@ -18,6 +20,8 @@ Running it again finds the copy and does nothing.
 import argparse
 
 from common.errors import UserError, exit_on_user_error
+from common.model import load_config
+from common.notation import NOTATIONS, training_notation
 from common.prepare_data import SPLITS, default_cache_dir, prepared_rows
 
 
@@ -40,6 +44,8 @@ def main():
                         help="folder with train.jsonl or train/*.parquet, and validation.jsonl or validation/")
     parser.add_argument("--max_seq_length", "--max-seq-length", type=int, default=256,
                         help="tokens per row (as in training)")
+    parser.add_argument("--notation", choices=NOTATIONS, default=None,
+                        help="how the games are written (as in training; default: the model's own, else uci)")
     parser.add_argument("--no_packing", "--no-packing", action="store_true",
                         help="one game per row, as training with --no_packing")
     parser.add_argument("--prepared_dir", "--cache_dir", "--cache-dir", default=None,
@@ -48,9 +54,10 @@ def main():
     if args.max_seq_length < 16:  # as the training scripts
         raise UserError(f"--max_seq_length must be at least 16 tokens (got {args.max_seq_length})")
     tokenizer = load_tokenizer(args.model)
+    notation = training_notation(args, load_config(args.model))
     for split in SPLITS:
         rows = prepared_rows(args.data_dir, split, tokenizer, args.max_seq_length, not args.no_packing,
-                             cache_dir=args.prepared_dir)
+                             cache_dir=args.prepared_dir, notation=notation)
         print(f"{split}: {len(rows):,} rows of up to {args.max_seq_length} tokens in {rows.folder}", flush=True)
 
 

@@ -3,6 +3,8 @@
     python 02_singlegpu/train.py --output_dir runs/single            # the built-in tiny demo
     python 02_singlegpu/train.py --model codellama/CodeLlama-7b-hf --data_dir $SCRATCH/chess/data \
         --output_dir runs/single-7b --total_batch_size 64 --batch_size_per_device 2
+        # the 7B command's form only: a full fine-tune of 7B needs more than one 80 GB GPU (16 bytes
+        # per parameter, about 100 GiB before activations); step 4 shards it, step 5 trains adapters
 
 One global batch = --total_batch_size rows per optimiser step; the device takes them
 --batch_size_per_device at a time and accumulates the gradients. The loss is the mean over the
@@ -26,6 +28,7 @@ from common.errors import exit_on_user_error
 from common.metrics import (MetricsLog, StepTimer, flops_per_token, model_flops_utilization, peak_memory,
                             print_summary, run_params, write_summary)
 from common.model import enable_gradient_checkpointing, load_config, load_model, load_tokenizer
+from common.notation import training_notation
 from common.optim import make_optimizer, make_scheduler
 from common.output_dir import OutputDir, run_settings
 from common.prepare_data import prepared_rows, read_games
@@ -49,7 +52,8 @@ def main():
     # (bf16 has fp32's range, so no GradScaler is needed).
     config = load_config(args.model, args.trust_remote_code)
     tokenizer = load_tokenizer(args.model, config, args.trust_remote_code)
-    model = load_model(args.model, args.trust_remote_code).to(device)
+    notation = training_notation(args, config)  # how the games are written: common/notation.py
+    model = load_model(args.model, args.trust_remote_code, config=config).to(device)
     model_flops = flops_per_token(model, args.max_seq_length)  # for MFU
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model)
@@ -60,9 +64,10 @@ def main():
 
     # Data: tokenized once per data set, memory-mapped here; every optimiser step gets one global batch.
     pack = not args.no_packing
-    train_rows = prepared_rows(args.data_dir, "train", tokenizer, args.max_seq_length, pack, args.prepared_dir)
+    train_rows = prepared_rows(args.data_dir, "train", tokenizer, args.max_seq_length, pack, args.prepared_dir,
+                               notation=notation)
     validation_rows = prepared_rows(args.data_dir, "validation", tokenizer, args.max_seq_length, pack,
-                                    args.prepared_dir)
+                                    args.prepared_dir, notation=notation)
     eval_rows = [validation_rows[i] for i in range(min(args.eval_rows, len(validation_rows)))]
     prefixes = game_prefixes(read_games(args.data_dir, "validation", args.eval_games), args.eval_games, args.seed)
     eval_rows = share_of_rank(eval_rows, 0, 1, "rows")
@@ -103,8 +108,8 @@ def main():
             sums = torch.stack([
                 *validation_loss_sums(model, eval_rows, args.batch_size_per_device, tokenizer.pad_token_id, device,
                                       stop_requested),
-                *legal_move_sums(model, tokenizer, prefixes, args.batch_size_per_device, args.max_seq_length, device,
-                                 stop_requested)])
+                *legal_move_sums(model, tokenizer, notation, prefixes, args.batch_size_per_device, args.max_seq_length,
+                                 device, stop_requested)])
         model.train()
         loss, tokens, legal, tried = sums.tolist()
         return {"eval_loss": loss / tokens, "legal_move_rate": legal / tried}

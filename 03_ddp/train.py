@@ -27,9 +27,11 @@ from common.errors import exit_on_user_error
 from common.metrics import (MetricsLog, StepTimer, flops_per_token, model_flops_utilization, peak_memory,
                             print_summary, run_params, write_summary)
 from common.model import enable_gradient_checkpointing, load_config, load_model, load_tokenizer
+from common.notation import training_notation
 from common.optim import make_optimizer, make_scheduler
 from common.output_dir import OutputDir, run_settings
 from common.prepare_data import prepared_rows, read_games
+from common.process_group import init_process_group
 from common.signals import StopFlag, die_with_launcher
 
 
@@ -46,7 +48,7 @@ def main():
     local_rank = int(os.environ["LOCAL_RANK"])  # this process's GPU on its node
     accumulation = gradient_accumulation_steps(args.total_batch_size, args.batch_size_per_device, world_size)
     device = pick_device(args.device, local_rank)
-    dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    init_process_group(device, args.collective_timeout)
     is_main = rank == 0  # only rank 0 logs and saves
     output = OutputDir(args, is_main)  # one run at a time per output directory
     output_dir = output.path
@@ -56,7 +58,8 @@ def main():
     # (bf16 has fp32's range, so no GradScaler is needed).
     config = load_config(args.model, args.trust_remote_code)
     tokenizer = load_tokenizer(args.model, config, args.trust_remote_code)
-    model = load_model(args.model, args.trust_remote_code).to(device)
+    notation = training_notation(args, config)  # how the games are written: common/notation.py
+    model = load_model(args.model, args.trust_remote_code, config=config).to(device)
     model_flops = flops_per_token(model, args.max_seq_length)  # for MFU
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model)
@@ -69,9 +72,10 @@ def main():
 
     # Data: tokenized once per data set, memory-mapped here; every optimiser step gets one global batch.
     pack = not args.no_packing
-    train_rows = prepared_rows(args.data_dir, "train", tokenizer, args.max_seq_length, pack, args.prepared_dir)
+    train_rows = prepared_rows(args.data_dir, "train", tokenizer, args.max_seq_length, pack, args.prepared_dir,
+                               notation=notation)
     validation_rows = prepared_rows(args.data_dir, "validation", tokenizer, args.max_seq_length, pack,
-                                    args.prepared_dir)
+                                    args.prepared_dir, notation=notation)
     eval_rows = [validation_rows[i] for i in range(min(args.eval_rows, len(validation_rows)))]
     prefixes = game_prefixes(read_games(args.data_dir, "validation", args.eval_games), args.eval_games, args.seed)
     # Each rank evaluates its share (the same count on every rank), then the sums are added up.
@@ -116,8 +120,8 @@ def main():
             sums = torch.stack([
                 *validation_loss_sums(model, eval_rows, args.batch_size_per_device, tokenizer.pad_token_id, device,
                                       stop_requested),
-                *legal_move_sums(model, tokenizer, prefixes, args.batch_size_per_device, args.max_seq_length, device,
-                                 stop_requested)])
+                *legal_move_sums(model, tokenizer, notation, prefixes, args.batch_size_per_device, args.max_seq_length,
+                                 device, stop_requested)])
         dist.all_reduce(sums)
         model.train()
         loss, tokens, legal, tried = sums.tolist()

@@ -35,9 +35,11 @@ from common.errors import UserError, exit_on_user_error
 from common.metrics import (MetricsLog, StepTimer, flops_per_token, model_flops_utilization, peak_memory,
                             print_summary, run_params, write_summary)
 from common.model import enable_gradient_checkpointing, load_config, load_model, load_tokenizer
+from common.notation import training_notation
 from common.optim import make_optimizer, make_scheduler
 from common.output_dir import OutputDir, run_settings
 from common.prepare_data import prepared_rows, read_games
+from common.process_group import init_process_group
 from common.sharded_loading import load_sharded_model
 from common.signals import StopFlag, die_with_launcher
 
@@ -144,6 +146,9 @@ def parse_arguments(argv=None):
     if args.lora_rank < 1 or not args.lora_alpha > 0 or not args.lora_target_modules:
         raise UserError("LoRA needs --lora_rank >= 1, --lora_alpha > 0 and at least one --lora_target_modules")
     if args.qlora:
+        if args.precision == "fp32":  # FSDP would cast the packed 4-bit weights (bf16 elements) to fp32
+            raise UserError("--qlora computes in bf16 (its 4-bit weights are packed into bf16 elements): "
+                            "leave out --precision fp32")
         if args.device == "cpu" or not torch.cuda.is_available():
             raise UserError("--qlora needs a CUDA GPU (bitsandbytes' 4-bit kernels): leave it out on the CPU")
         try:
@@ -162,7 +167,7 @@ def main():
     local_rank = int(os.environ["LOCAL_RANK"])  # this process's GPU on its node
     accumulation = gradient_accumulation_steps(args.total_batch_size, args.batch_size_per_device, world_size)
     device = pick_device(args.device, local_rank)
-    dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    init_process_group(device, args.collective_timeout, cpu_tensors=args.cpu_offload)
     is_main = rank == 0  # only rank 0 logs and saves
     output = OutputDir(args, is_main)  # one run at a time per output directory
     output_dir = output.path
@@ -173,6 +178,7 @@ def main():
     # the model to bf16 before sharding: AdamW would then keep bf16 state.
     config = load_config(args.model, args.trust_remote_code)
     tokenizer = load_tokenizer(args.model, config, args.trust_remote_code)
+    notation = training_notation(args, config)  # how the games are written: common/notation.py
     precision = args.precision or ("bf16" if device.type == "cuda" else "fp32")
     mesh = build_mesh(args.sharding_strategy, device.type, world_size,
                       args.shard_group_size or int(os.environ["LOCAL_WORLD_SIZE"]))
@@ -190,7 +196,7 @@ def main():
         model = load_qlora_model(args, device, shard)
     else:
         model = load_sharded_model(args.model, config, rank, device, shard, prepare=prepare_model,
-                                   trust_remote_code=args.trust_remote_code)
+                                   cpu_offload=args.cpu_offload, trust_remote_code=args.trust_remote_code)
     model_flops = flops_per_token(model, args.max_seq_length)  # for MFU
     autocast = nullcontext()  # FSDP casts the weights; no autocast on top
     if args.accumulate_unsharded and accumulation > 1:  # gather each layer once per optimiser step,
@@ -201,9 +207,10 @@ def main():
 
     # Data: tokenized once per data set, memory-mapped here; every optimiser step gets one global batch.
     pack = not args.no_packing
-    train_rows = prepared_rows(args.data_dir, "train", tokenizer, args.max_seq_length, pack, args.prepared_dir)
+    train_rows = prepared_rows(args.data_dir, "train", tokenizer, args.max_seq_length, pack, args.prepared_dir,
+                               notation=notation)
     validation_rows = prepared_rows(args.data_dir, "validation", tokenizer, args.max_seq_length, pack,
-                                    args.prepared_dir)
+                                    args.prepared_dir, notation=notation)
     eval_rows = [validation_rows[i] for i in range(min(args.eval_rows, len(validation_rows)))]
     prefixes = game_prefixes(read_games(args.data_dir, "validation", args.eval_games), args.eval_games, args.seed)
     # Each rank evaluates its share (the same count on every rank), then the sums are added up.
@@ -228,7 +235,7 @@ def main():
     def save_checkpoint(step):
         path = checkpoint_dir(output_dir, step)
         model_state, optimizer_state = get_state_dict(model, optimizer, options=state_options)
-        needed = tensor_bytes([model_state, optimizer_state]) * world_size
+        needed = tensor_bytes([model_state, optimizer_state])  # each tensor once, however many ranks hold it
         if is_main:
             prepare(path, needed)  # refused at once if the disk is too full
         dist.barrier()
@@ -265,8 +272,8 @@ def main():
             sums = torch.stack([
                 *validation_loss_sums(model, eval_rows, args.batch_size_per_device, tokenizer.pad_token_id, device,
                                       stop_requested),
-                *legal_move_sums(model, tokenizer, prefixes, args.batch_size_per_device, args.max_seq_length, device,
-                                 stop_requested)])
+                *legal_move_sums(model, tokenizer, notation, prefixes, args.batch_size_per_device, args.max_seq_length,
+                                 device, stop_requested)])
         dist.all_reduce(sums)
         model.train()
         loss, tokens, legal, tried = sums.tolist()
@@ -309,8 +316,8 @@ def main():
             step_loss += loss.detach()
         dist.all_reduce(step_loss)
 
-        # The parameters are DTensor shards; the norm comes back as a DTensor of the full norm.
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).full_tensor()
+        # The parameters are DTensor shards; the norm comes back as a DTensor of the full norm (on the CPU, offloaded).
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).full_tensor().to(device)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)

@@ -32,6 +32,7 @@ from common.batch import gradient_accumulation_steps
 from common.data import collate
 from common.errors import exit_on_user_error
 from common.model import load_config, load_model, load_tokenizer
+from common.notation import model_notation
 from common.prepare_data import prepared_rows
 
 
@@ -60,9 +61,11 @@ def main():
 
     # The same batch contract as the step scripts: total = per device × ranks × accumulation.
     accumulation = gradient_accumulation_steps(args.total_batch_size, args.batch_size_per_device, world_size)
-    tokenizer = load_tokenizer(args.model, load_config(args.model))
+    config = load_config(args.model)
+    tokenizer = load_tokenizer(args.model, config)
     model = load_model(args.model)
-    rows = prepared_rows(args.data_dir, "train", tokenizer, args.max_seq_length, args.packing, args.prepared_dir)
+    rows = prepared_rows(args.data_dir, "train", tokenizer, args.max_seq_length, args.packing, args.prepared_dir,
+                         notation=model_notation(config))
     # Each micro-batch padded to its longest row; padding gets no attention and no loss.
     collator = functools.partial(collate, pad_id=tokenizer.pad_token_id)
 

@@ -4,18 +4,20 @@
     python benchmark/learn_chess.py --quick    # the same path in a few steps (seconds): the test
 
 It builds under --out the demo's model (01_download/download.py --demo: the same tokenizer, shape
-and seeded random weights) and a data folder from the games shipped in 01_download/. The held-out
-games are the demo's own validation games, the last 200 of chess_sample.parquet; the training
-games are the rest of that sample plus chess_learn.parquet (made by make_chess_sample.py with
-another seed and the command in its docstring), less any game equal to a held-out one. Then it
-trains with 03_ddp/train.py on 2 ranks (02_singlegpu/train.py with --nproc 1), exactly as a user
-would, and the step script's own evaluation measures the legal-move rate every --eval_every steps:
-the greedy next move after --eval_games held-out game prefixes, checked with python-chess.
+and seeded random weights, reading games in the piece notation `P e2 e4`) and a data folder from
+the games shipped in 01_download/ (chess_sample.parquet and chess_learn.parquet). --held_out
+openings are held out with every game that opens alike for 10 plies (common/chess_eval.py:
+held_out_split), so no training game shares a 10-ply prefix with an evaluated one. Then it trains
+with 03_ddp/train.py on 2 ranks (02_singlegpu/train.py with --nproc 1), exactly as a user would; the
+step script's own evaluation measures the legal-move rate every --eval_every steps on the first
+--eval_games held-out games. At the end the final model answers one position of every held-out
+game: the greedy next move, read back as a move and checked with python-chess, counted overall and
+by phase of the game, beside a trigram table's move (the side to move and the last two moves: what
+move statistics alone score) on the same positions.
 
-Into --out it writes legal_moves.png (the legal-move rate and the validation loss against the
-tokens seen), legal_moves.md (the same as a table, with the command, the recipe and the times) and
-legal_moves.json. The wall time counts everything this command does; the games are not generated.
-Measured 2026-11-24 on 2 cores: 0.5% -> 37.0% legal moves in 907 s (the target, 50%, is not reached).
+Into --out it writes legal_moves.png (the legal-move rate, the baseline's and the validation loss
+against the tokens seen), legal_moves.md (the same as tables, with the command, the recipe and the
+times) and legal_moves.json. The wall time counts everything this command does.
 """
 import ast
 import json
@@ -27,44 +29,45 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from common.arguments import REPO, Parser
+from common.chess_eval import TrigramBaseline, game_prefixes, held_out_split, legal_moves, phase_of
 from common.errors import UserError, exit_on_user_error
+from common.notation import NOTATIONS, model_notation
 from common.steps import load_script
 
 SAMPLE = REPO / "01_download" / "chess_sample.parquet"
 LEARN_GAMES = REPO / "01_download" / "chess_learn.parquet"
-VALIDATION_GAMES = 200  # the demo's: the last 200 games of the sample
 SCRIPTS = {1: REPO / "02_singlegpu" / "train.py", 2: REPO / "03_ddp" / "train.py"}
+PHASES = ("opening", "middle", "late")
 
 # --quick: the whole path on a few games in a few steps; it says nothing about learning.
-QUICK = {"train_games": 300, "max_steps": 6, "eval_every": 3, "eval_games": 8, "total_batch_size": 4,
-         "batch_size_per_device": 2}
+QUICK = {"train_games": 300, "held_out": 24, "max_steps": 6, "eval_every": 3, "eval_games": 8,
+         "total_batch_size": 4, "batch_size_per_device": 2}
 
 
-def build_model(folder, seed):
-    """The built-in model, as `download.py --demo` builds it."""
+def build_model(folder, seed, notation, layers, hidden):
+    """The built-in model, as `download.py --demo` builds it (by default: the same tokenizer, shape
+    and weights); another notation or shape to compare with."""
     download = load_script("01_download/download.py")
-    tokenizer = download.build_move_tokenizer()
-    model = download.build_tiny_llama(tokenizer, seed)
+    tokenizer = download.build_word_tokenizer(notation)
+    model = download.build_tiny_llama(tokenizer, seed, notation, layers, hidden)
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
     return sum(p.numel() for p in model.parameters())
 
 
-def build_data(folder, learn_games, train_games):
-    """train.jsonl and validation.jsonl; no held-out game is trained on."""
+def build_data(folder, learn_games, train_games, held_out):
+    """train.jsonl and validation.jsonl (the held-out games); no training game opens like a held-out one."""
     download = load_script("01_download/download.py")
-    sample = download.games_from_parquet(SAMPLE)
-    validation = sample[-VALIDATION_GAMES:]
-    held_out = set(validation)
-    candidates = sample[:-VALIDATION_GAMES] + (download.games_from_parquet(learn_games) if learn_games else [])
-    train = [game for game in candidates if game not in held_out]
+    games = download.games_from_parquet(SAMPLE) + (download.games_from_parquet(learn_games) if learn_games else [])
+    train, validation = held_out_split(list(dict.fromkeys(games)), held_out)
     if train_games:
         train = train[:train_games]
     download.write_jsonl(train, folder / "train.jsonl")
     download.write_jsonl(validation, folder / "validation.jsonl")
-    return {"train_games": len(train), "train_moves": sum(len(game.split()) for game in train),
-            "validation_games": len(validation)}
+    return train, validation
 
 
 def train_command(args, model_dir, data_dir, run_dir):
@@ -76,8 +79,9 @@ def train_command(args, model_dir, data_dir, run_dir):
     options = {"model": model_dir, "data_dir": data_dir, "output_dir": run_dir,
                "prepared_dir": Path(args.out) / "prepared", "total_batch_size": args.total_batch_size,
                "batch_size_per_device": args.batch_size_per_device, "max_seq_length": args.max_seq_length,
-               "learning_rate": args.learning_rate, "max_steps": args.max_steps, "eval_every": args.eval_every,
-               "eval_games": args.eval_games, "seed": args.seed, "device": "cpu"}
+               "learning_rate": args.learning_rate, "warmup_steps": max(1, args.max_steps // 20),
+               "max_steps": args.max_steps, "eval_every": args.eval_every, "eval_games": args.eval_games,
+               "seed": args.seed, "device": "cpu"}
     # --no_packing: one game per row, from its first move, as the evaluation shows them; packed rows
     # start mid-game and run several games together (at step 100: 7% legal moves against 16%)
     return launcher + [f"--{name}={value}" for name, value in options.items()] + ["--no_packing", "--overwrite"]
@@ -104,17 +108,40 @@ def curve(run_dir, untrained_rate, untrained_loss):
     return points
 
 
-def plot(points, path, title):
+def final_evaluation(model_dir, train, held_out, max_seq_length, seed):
+    """One position of every held-out game: is the model's greedy move legal, and the trigram
+    table's? Rates overall and by phase, on the same positions."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prefixes = game_prefixes(held_out, len(held_out), seed)
+    model_legal = legal_moves(model, tokenizer, model_notation(model.config), prefixes, 32, max_seq_length,
+                              torch.device("cpu"))
+    baseline = TrigramBaseline(train)
+    baseline_legal = [baseline.is_legal(prefix) for prefix in prefixes]
+    rows = {}
+    for phase in (*PHASES, "all"):
+        chosen = [i for i, prefix in enumerate(prefixes) if phase in ("all", phase_of(len(prefix)))]
+        rows[phase] = {"positions": len(chosen),
+                       "model": sum(model_legal[i] for i in chosen) / max(1, len(chosen)),
+                       "baseline": sum(baseline_legal[i] for i in chosen) / max(1, len(chosen))}
+    return rows
+
+
+def plot(points, baseline, path, title):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     tokens = [p[0] / 1e6 for p in points]
     figure, rate_axis = plt.subplots(figsize=(7, 4.2))
-    rate_axis.plot(tokens, [100 * p[4] for p in points], "o-", color="tab:blue")
-    rate_axis.axhline(50, color="tab:blue", linestyle=":", linewidth=1)
+    rate_axis.plot(tokens, [100 * p[4] for p in points], "o-", color="tab:blue", label="the model")
+    rate_axis.axhline(100 * baseline, color="tab:gray", linestyle="--", linewidth=1,
+                      label="trigram table (move statistics)")
+    rate_axis.axhline(75, color="tab:blue", linestyle=":", linewidth=1)
     rate_axis.set_xlabel("tokens seen (millions)")
     rate_axis.set_ylabel("legal greedy moves, held-out positions (%)", color="tab:blue")
     rate_axis.set_ylim(0, 100)
+    rate_axis.legend(loc="lower right", fontsize=8)
     loss_axis = rate_axis.twinx()
     loss_axis.plot(tokens, [p[3] for p in points], "s--", color="tab:orange", markersize=3)
     loss_axis.set_ylabel("validation loss", color="tab:orange")
@@ -125,16 +152,30 @@ def plot(points, path, title):
     plt.close(figure)
 
 
-def table(points, summary):
-    lines = [summary, "", "| step | tokens seen | training time (s) | validation loss | legal moves |",
-             "|---:|---:|---:|---:|---:|"]
-    lines += [f"| {step} | {seen:,} | {seconds:.0f} | {loss:.3f} | {100 * rate:.1f}% |"
+def tables(points, baseline, final, summary):
+    lines = [summary, "", "| step | tokens seen | training time (s) | validation loss | legal moves | trigram table |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {step} | {seen:,} | {seconds:.0f} | {loss:.3f} | {100 * rate:.1f}% | {100 * baseline:.1f}% |"
               for seen, seconds, step, loss, rate in points]
+    lines += ["", "The final model on one position of every held-out game (phase: plies played before it):", "",
+              "| phase | positions | the model | trigram table |", "|---|---:|---:|---:|"]
+    names = {"opening": "opening (< 20 plies)", "middle": "middle (20-79)", "late": "late (80 and more)",
+             "all": "**all**"}
+    lines += [f"| {names[phase]} | {row['positions']:,} | {100 * row['model']:.1f}% | {100 * row['baseline']:.1f}% |"
+              for phase, row in final.items()]
     return "\n".join(lines) + "\n"
 
 
 def load_average():
     return "/".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def count(text):
+    """A non-negative whole number."""
+    value = int(text)
+    if value < 0:
+        raise ValueError
+    return value
 
 
 def parse_arguments(argv=None):
@@ -143,23 +184,29 @@ def parse_arguments(argv=None):
     parser.add("quick", action="store_true", help="a few steps on a few games (seconds); says nothing about learning")
     parser.add("nproc", type=int, choices=[1, 2], default=2,
                help="2: 03_ddp/train.py on 2 ranks; 1: 02_singlegpu/train.py")
+    parser.add("notation", choices=NOTATIONS, default="piece", help="how the games are written (common/notation.py)")
+    parser.add("layers", type=count, default=8, help="decoder layers of the model")
+    parser.add("hidden", type=count, default=128, help="hidden size of the model (4 heads)")
     parser.add("learn_games", default=str(LEARN_GAMES), help="games added to the sample's ('' for none)")
-    parser.add("train_games", type=int, default=0, help="train on the first N games only (0: all)")
-    parser.add("total_batch_size", type=int, default=16, help="rows per optimiser step")
-    parser.add("batch_size_per_device", type=int, default=1,
+    parser.add("train_games", type=count, default=0, help="train on the first N games only (0: all)")
+    parser.add("held_out", type=count, default=1000, help="openings held out for the evaluation")
+    parser.add("total_batch_size", type=count, default=16, help="rows per optimiser step")
+    parser.add("batch_size_per_device", type=count, default=1,
                help="rows per forward pass; a pass pads its rows to the longest game, so fewer rows waste less")
-    parser.add("max_seq_length", type=int, default=256, help="tokens per row: a longer game is cut")
+    parser.add("max_seq_length", type=count, default=1024, help="tokens per row: whole games of up to 300 plies")
     parser.add("learning_rate", type=float, default=3e-3, help="peak learning rate (cosine decay to 10%%)")
-    parser.add("max_steps", type=int, default=2200)
-    parser.add("eval_every", type=int, default=200)
-    parser.add("eval_games", type=int, default=200, help="held-out game prefixes for the legal-move rate")
-    parser.add("seed", type=int, default=0, help="the model's initialisation and the data order")
+    parser.add("max_steps", type=count, default=900)
+    parser.add("eval_every", type=count, default=150)
+    parser.add("eval_games", type=count, default=200, help="held-out positions for the curve (during training)")
+    parser.add("seed", type=count, default=0, help="the model's initialisation, the data order and the positions")
     args = parser.parse_args(argv)
     if args.quick:
         vars(args).update(QUICK)
     if args.learn_games and not Path(args.learn_games).is_file():
         raise UserError(f"{args.learn_games} does not exist: it ships with the repo (make it again with the command "
                         "in 01_download/make_chess_sample.py's docstring), or pass --learn_games ''")
+    if args.held_out < max(args.eval_games, 1):
+        raise UserError(f"--held_out {args.held_out} is fewer than --eval_games {args.eval_games}: hold out more")
     return args
 
 
@@ -168,11 +215,13 @@ def main():
     began, load_before = time.time(), load_average()
     out = Path(args.out)
     model_dir, data_dir, run_dir = out / "model", out / "data", out / "run"
-    parameters = build_model(model_dir, args.seed)
-    data = build_data(data_dir, args.learn_games, args.train_games)
-    print(f"model: the built-in {parameters / 1e6:.2f}M-parameter Llama in {model_dir}\n"
-          f"data: {data['train_games']:,} training games ({data['train_moves']:,} moves), "
-          f"{data['validation_games']} held-out games in {data_dir}", flush=True)
+    parameters = build_model(model_dir, args.seed, args.notation, args.layers, args.hidden)
+    train, held_out = build_data(data_dir, args.learn_games, args.train_games, args.held_out)
+    train_moves = sum(len(game.split()) for game in train)
+    print(f"model: a {args.layers} x {args.hidden} Llama of {parameters / 1e6:.2f}M parameters, {args.notation} "
+          f"notation, in {model_dir}\n"
+          f"data: {len(train):,} training games ({train_moves:,} moves), {len(held_out):,} held-out games "
+          f"in {data_dir}", flush=True)
 
     command = train_command(args, model_dir, data_dir, run_dir)
     threads = max(1, len(os.sched_getaffinity(0)) // args.nproc)
@@ -189,9 +238,15 @@ def main():
     if training.returncode != 0:
         raise UserError(f"training failed (exit status {training.returncode}); its last lines (all in "
                         f"{out / 'train.log'}):\n" + "\n".join(lines[-15:]))
+    trained_s = time.time() - began
 
     points = curve(run_dir, *untrained_figures("\n".join(lines)))
-    final_rate = points[-1][4]
+    curve_positions = game_prefixes(held_out[: args.eval_games], args.eval_games, args.seed)  # the step script's
+    baseline = TrigramBaseline(train)
+    curve_baseline = sum(map(baseline.is_legal, curve_positions)) / len(curve_positions)
+    print(f"evaluating the final model on {len(held_out):,} held-out positions ...", flush=True)
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    final = final_evaluation(run_dir / "final", train, held_out, args.max_seq_length, args.seed)
     wall_s = time.time() - began
     # CPU seconds of this command and all it ran: on a shared machine the wall time also
     # says how busy the neighbours were
@@ -199,24 +254,31 @@ def main():
                 for usage in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)))
     load = f"{load_before} before, {load_average()} after"
     invocation = shlex.join(["python", os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]])
-    summary = (f"`{invocation}`: the built-in {parameters / 1e6:.2f}M-parameter model; {data['train_games']:,} "
-               f"training games ({data['train_moves']:,} moves); {args.max_steps} steps of {args.total_batch_size} "
-               f"games (rows of up to {args.max_seq_length} tokens), peak learning rate {args.learning_rate:g}; "
-               f"{args.nproc} process{'es' if args.nproc > 1 else ''} x {threads} thread{'s' if threads > 1 else ''}. "
-               f"Legal greedy moves on {args.eval_games} held-out positions: {100 * points[0][4]:.1f}% untrained, "
-               f"{100 * final_rate:.1f}% after {points[-1][0]:,} tokens. Wall time {wall_s:.0f} s for everything "
-               f"(CPU time {cpu_s:.0f} s); load average {load}.")
-    plot(points, out / "legal_moves.png", f"built-in {parameters / 1e6:.1f}M model, {data['train_games']:,} games: "
-         f"{100 * final_rate:.0f}% legal after {wall_s / 60:.1f} min on the CPU")
-    (out / "legal_moves.md").write_text(table(points, summary))
+    every = final["all"]
+    summary = (f"`{invocation}`: a {args.layers} x {args.hidden} Llama of {parameters / 1e6:.2f}M parameters in "
+               f"the {args.notation} notation; "
+               f"{len(train):,} training games ({train_moves:,} moves), {len(held_out):,} held out; {args.max_steps} "
+               f"steps of {args.total_batch_size} games (rows of up to {args.max_seq_length} tokens), peak learning "
+               f"rate {args.learning_rate:g}; {args.nproc} process{'es' if args.nproc > 1 else ''} x {threads} "
+               f"thread{'s' if threads > 1 else ''}. Legal greedy moves on {every['positions']:,} held-out positions: "
+               f"{100 * every['model']:.1f}% after {points[-1][0]:,} tokens (trigram table "
+               f"{100 * every['baseline']:.1f}%). Wall time {wall_s:.0f} s for everything, {trained_s:.0f} s to the "
+               f"trained model (CPU time {cpu_s:.0f} s); load average {load}.")
+    plot(points, curve_baseline, out / "legal_moves.png", f"{parameters / 1e6:.1f}M model, {len(train):,} "
+         f"games: {100 * every['model']:.0f}% legal after {wall_s / 60:.1f} min on the CPU")
+    (out / "legal_moves.md").write_text(tables(points, curve_baseline, final, summary))
     (out / "legal_moves.json").write_text(json.dumps(
-        {"legal_move_rate": final_rate, "legal_move_rate_untrained": points[0][4], "wall_s": round(wall_s, 1),
-         "cpu_s": round(cpu_s, 1), "load_average": load, "command": invocation, "data": data,
+        {"legal_move_rate": every["model"], "baseline": every["baseline"], "by_phase": final,
+         "legal_move_rate_untrained": points[0][4], "wall_s": round(wall_s, 1), "trained_s": round(trained_s, 1),
+         "cpu_s": round(cpu_s, 1), "load_average": load, "command": invocation,
+         "data": {"train_games": len(train), "train_moves": train_moves, "held_out_games": len(held_out)},
          "points": [dict(zip(("tokens", "seconds", "step", "eval_loss", "legal_move_rate"), p)) for p in points]},
         indent=1) + "\n")
-    print(f"\nlegal moves: {100 * points[0][4]:.1f}% untrained -> {100 * final_rate:.1f}% after {points[-1][0]:,} "
-          f"tokens\nwall time: {wall_s:.0f} s (CPU time {cpu_s:.0f} s; load average {load})\n"
-          f"plot: {out / 'legal_moves.png'}\ntable: {out / 'legal_moves.md'}", flush=True)
+    phases = ", ".join(f"{phase} {100 * final[phase]['model']:.1f}% (table {100 * final[phase]['baseline']:.1f}%)"
+                       for phase in PHASES)
+    print(f"\nlegal moves on {every['positions']:,} held-out positions: {100 * every['model']:.1f}% (trigram table "
+          f"{100 * every['baseline']:.1f}%); {phases}\nwall time: {wall_s:.0f} s (CPU time {cpu_s:.0f} s; load "
+          f"average {load})\nplot: {out / 'legal_moves.png'}\ntable: {out / 'legal_moves.md'}", flush=True)
 
 
 if __name__ == "__main__":

@@ -11,10 +11,14 @@ import sys
 from pathlib import Path
 
 from common.errors import UserError
+from common.notation import NOTATIONS
 from common.tracking import parse_report_to
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_DIR = REPO / "demo"
+# Rank 0 reads CodeLlama-7b's 27 GB (or writes step 3's 81 GB checkpoint) while the others wait:
+# an hour covers that at 25 MB/s, the speed of a busy shared file system.
+COLLECTIVE_TIMEOUT_S = 3600
 
 
 class Parser(argparse.ArgumentParser):
@@ -76,6 +80,9 @@ def training_arguments(description):
     parser.add("max_grad_norm", type=float, default=1.0, help="gradient clipping")
     parser.add("seed", type=int, default=0)
     parser.add("max_seq_length", type=int, default=256, help="tokens per row")
+    parser.add("notation", choices=NOTATIONS, default=None,
+               help="how the games are written for the model: uci (e2e4) or piece (P e2 e4, common/notation.py); "
+                    "default: the one the model's config.json names (chess_notation), else uci")
     parser.add("no_packing", action="store_true",
                help="one game per row with padding, instead of packing games into full rows")
     parser.add("gradient_checkpointing", action="store_true",
@@ -85,6 +92,9 @@ def training_arguments(description):
     parser.add("eval_games", type=int, default=64, help="game prefixes for the legal-move rate")
     parser.add("device", choices=["auto", "cpu", "cuda"], default="auto",
                help="auto: CUDA when a GPU is usable, else CPU")
+    parser.add("collective_timeout", type=int, default=COLLECTIVE_TIMEOUT_S,
+               help="seconds a rank waits in a collective for the others before the job fails (steps 3-5): "
+                    "the default covers rank 0 reading or writing 7B on a slow shared disk meanwhile")
     parser.add("save_every", type=int, default=0, help="save a checkpoint every N steps (0: only at the end)")
     parser.add("keep_checkpoints", type=int, default=2, help="complete checkpoints to keep")
     parser.add("resume", action="store_true",
@@ -118,6 +128,8 @@ def check_arguments(args):
         raise UserError(f"--seed must be between 0 and 2**32 - 1 (got {args.seed})")
     if args.eval_every < 0 or args.save_every < 0:
         raise UserError("--eval_every and --save_every must be 0 (only at the end) or positive")
+    if args.collective_timeout < 1:
+        raise UserError(f"--collective_timeout must be at least 1 second (got {args.collective_timeout})")
     if args.resume and args.overwrite:
         raise UserError("--resume continues the run in --output_dir, --overwrite replaces it: choose one")
     args.report_to = parse_report_to(args.report_to)

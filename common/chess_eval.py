@@ -5,7 +5,12 @@ distributed step can give each rank its share and add the sums up with one all_r
 Every rank must make the same number of forward calls (FSDP gathers weights in each one),
 which is why nothing here stops early, except when every rank agrees to stop: `stop()` is asked
 (a collective) before each batch, and a stop request ends the evaluation with StopEvaluation.
+
+A fair test shows positions the model was not trained on: `held_out_split` keeps every game that
+opens like a held-out one out of training, and `TrigramBaseline` says what move statistics alone
+score on the same positions.
 """
+import collections
 import random
 
 import chess
@@ -13,6 +18,7 @@ import torch
 
 from common.data import collate, count_loss_tokens, loss_sum
 from common.errors import UserError
+from common.notation import board_after, game_text, legal_in, longest_move_text
 
 
 class StopEvaluation(Exception):
@@ -59,47 +65,110 @@ def share_of_rank(items, rank, world_size, what):
     return items[rank: len(items) - len(items) % world_size: world_size]
 
 
-def is_legal_continuation(prefix, move_text):
-    board = chess.Board()
-    for move in prefix:
-        board.push_uci(move)
-    try:
-        return chess.Move.from_uci(move_text) in board.legal_moves
-    except ValueError:  # not even shaped like a move
-        return False
-
-
-def tokens_per_move(tokenizer):
-    """How many tokens the longest move needs: 1 for the demo's move-level tokenizer, a few
-    for CodeLlama's sub-word one. Greedy decoding runs that many steps, plus one."""
-    samples = [" e2e4", " a7a8q", " g1f3"]
-    return 1 + max(len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in samples)
+def tokens_per_move(tokenizer, notation):
+    """How many tokens the longest move needs, plus one: 2 for a one-token-per-move vocabulary, 5
+    for the built-in piece notation's (piece, from, to, promotion), a few more for CodeLlama's
+    sub-words. Greedy decoding runs that many steps."""
+    text = " " + longest_move_text(notation)
+    return 1 + len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 @torch.no_grad()
-def legal_move_sums(model, tokenizer, prefixes, batch_size, max_seq_length, device, stop=None):
-    """(legal greedy moves, prefixes tried). Prompts are left-padded so every row's next token
-    lands in the last column; positions count real tokens only."""
-    steps = tokens_per_move(tokenizer)
+def greedy_tokens(model, prompts, steps, pad_id, device):
+    """The `steps` tokens the model writes greedily after each prompt (lists of ids). Prompts are
+    left-padded so every row's next token lands in the last column; positions count real tokens
+    only. The prompt is read once; each new token reuses its keys and values (the KV cache)."""
+    longest = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[pad_id] * (longest - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
+    written = []
+    for _ in range(steps):
+        written.append(out.logits[:, -1].argmax(-1, keepdim=True))
+        if len(written) == steps:
+            break
+        mask = torch.cat([mask, torch.ones_like(written[-1])], dim=1)
+        positions = positions[:, -1:] + 1
+        out = model(input_ids=written[-1], attention_mask=mask, position_ids=positions,
+                    past_key_values=out.past_key_values, use_cache=True)
+    return torch.cat(written, dim=1).tolist()
+
+
+@torch.no_grad()
+def legal_moves(model, tokenizer, notation, prefixes, batch_size, max_seq_length, device, stop=None):
+    """For each prefix (a list of UCI moves): is the model's greedy next move legal there? The
+    prefix is shown in `notation`; what the model writes is read back as a move in it and checked
+    with python-chess."""
+    steps = tokens_per_move(tokenizer, notation)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    legal = torch.zeros((), device=device)
+    verdicts = []
     for first in range(0, len(prefixes), batch_size):
         check_stop(stop)
         chunk = prefixes[first: first + batch_size]
-        prompts = [[tokenizer.bos_token_id, *tokenizer(" ".join(p), add_special_tokens=False)["input_ids"]]
+        prompts = [[tokenizer.bos_token_id, *tokenizer(game_text(notation, p), add_special_tokens=False)["input_ids"]]
                    for p in chunk]
         prompts = [p[-(max_seq_length - steps):] for p in prompts]
-        longest = max(len(p) for p in prompts)
-        input_ids = torch.tensor([[pad_id] * (longest - len(p)) + p for p in prompts], device=device)
-        mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=device)
-        start = input_ids.shape[1]
-        for _ in range(steps):
-            positions = (mask.cumsum(-1) - 1).clamp(min=0)
-            logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
-            next_token = logits[:, -1].argmax(-1, keepdim=True)
-            input_ids = torch.cat([input_ids, next_token], dim=1)
-            mask = torch.cat([mask, torch.ones_like(next_token)], dim=1)
-        for prefix, generated in zip(chunk, input_ids[:, start:].tolist()):
-            words = tokenizer.decode(generated, skip_special_tokens=True).split()
-            legal += bool(words) and is_legal_continuation(prefix, words[0])
-    return legal, torch.tensor(float(len(prefixes)), device=device)
+        for prefix, written in zip(chunk, greedy_tokens(model, prompts, steps, pad_id, device)):
+            text = tokenizer.decode(written, skip_special_tokens=True)
+            verdicts.append(legal_in(board_after(prefix), notation, text))
+    return verdicts
+
+
+def legal_move_sums(model, tokenizer, notation, prefixes, batch_size, max_seq_length, device, stop=None):
+    """(legal greedy moves, prefixes tried), as tensors to add up over ranks."""
+    verdicts = legal_moves(model, tokenizer, notation, prefixes, batch_size, max_seq_length, device, stop)
+    return torch.tensor(float(sum(verdicts)), device=device), torch.tensor(float(len(prefixes)), device=device)
+
+
+# ---- held-out games and a baseline to compare with -------------------------------------------------
+
+def held_out_split(games, count, shared_plies=10):
+    """(training games, held-out games): `count` games held out with every game that opens the same
+    way for `shared_plies` plies, so no training game shares a prefix that long with a held-out
+    one and the evaluation sees positions the model has not been shown. Games are "e2e4 e7e5 ..."
+    strings; the held-out ones are the last openings in the list's order."""
+    def opening(game):
+        return tuple(game.split()[:shared_plies])
+    held_openings = set()
+    for game in reversed(games):
+        if len(held_openings) == count:
+            break
+        held_openings.add(opening(game))
+    train = [game for game in games if opening(game) not in held_openings]
+    held_out = [game for game in games if opening(game) in held_openings]
+    return train, held_out
+
+
+def phase_of(ply):
+    """opening (< 20 plies played), middle (20-79) or late (80 and more)."""
+    return "opening" if ply < 20 else "middle" if ply < 80 else "late"
+
+
+class TrigramBaseline:
+    """The most common next move after the last two moves, for the side to move (backing off to
+    the last move, then to any position of that side): what move statistics alone achieve."""
+
+    def __init__(self, games):
+        self.counts = collections.defaultdict(collections.Counter)
+        for game in games:
+            moves = game.split()
+            for ply, move in enumerate(moves):
+                for context in self.contexts(moves[:ply]):
+                    self.counts[context][move] += 1
+
+    @staticmethod
+    def contexts(prefix):
+        """From the longest to the shortest; a game's first plies have fewer than two moves behind."""
+        side = len(prefix) % 2
+        return list(dict.fromkeys([(side, *prefix[-2:]), (side, *prefix[-1:]), (side,)]))
+
+    def move(self, prefix):
+        for context in self.contexts(prefix):
+            if context in self.counts:
+                return self.counts[context].most_common(1)[0][0]
+        return None
+
+    def is_legal(self, prefix):
+        move = self.move(prefix)
+        return move is not None and chess.Move.from_uci(move) in board_after(prefix).legal_moves

@@ -10,9 +10,10 @@ the others wait. The result is a folder in a cache, named by a key:
                   meta.json     written last; a folder is published (renamed into place) only when complete
 
 The key covers everything the rows depend on: the bytes of the data files, the tokenizer's
-content, max_seq_length and packing. A changed file or tokenizer is prepared anew, and the same
-data found elsewhere is reused. Every rank maps the same files (np.memmap), so a rank's memory
-does not grow with the number of games and a node's page cache holds one copy.
+content, the notation the games are written in (common/notation.py), max_seq_length and
+packing. A changed file or tokenizer is prepared anew, and the same data found elsewhere is
+reused. Every rank maps the same files (np.memmap), so a rank's memory does not grow with the
+number of games and a node's page cache holds one copy.
 
 Sources: DATA_DIR/{split}.jsonl (one {"text": "e2e4 e7e5 ..."} per line: the demo, your own
 games) or DATA_DIR/{split}/*.parquet (the schema of laion/strategic_game_chess: a `Moves` list
@@ -38,6 +39,7 @@ import torch
 
 from common.errors import UserError, first_line
 from common.lock import wait_for_lock
+from common.notation import IllegalGame, words_of
 
 FORMAT = 1  # part of the cache key: bump it when what is written changes
 MOVE = "[a-h][1-8][a-h][1-8][qrbn]?"  # UCI: from, to, promotion
@@ -235,7 +237,8 @@ def tokenize_moves(moves, where, encoder, special):
         game = int(np.searchsorted(np.cumsum(lengths), np.flatnonzero(ids == unk)[0], side="right"))
         bad = next(move for move in moves[game].as_py() if unk in encode(encoder, [move])[0])
         raise UserError(f"{where(game)}: {bad!r} is not in the tokenizer's vocabulary ({special['name']}); "
-                        f"it would be trained as {special['unk_token']}")
+                        f"it would be trained as {special['unk_token']}. Is --notation the model's own (uci or "
+                        "piece)?")
     ends = np.cumsum(lengths + 2)
     starts = ends - (lengths + 2)
     out = np.empty(int(ends[-1]) if len(ends) else 0, dtype=np.int32)
@@ -247,7 +250,21 @@ def tokenize_moves(moves, where, encoder, special):
     return pa.ListArray.from_arrays(offsets, pa.array(out))
 
 
-def tokenize_batch(batch, indices, kind, files, first_rows, encoder, special):
+def in_notation(moves, where, notation):
+    """The games' moves (UCI) as the notation's words, one string per move (common/notation.py)."""
+    import pyarrow as pa
+    if notation == "uci":
+        return moves
+    games = []
+    for i, game in enumerate(moves.to_pylist()):
+        try:
+            games.append(words_of(notation, game))
+        except IllegalGame as err:
+            raise UserError(f"{where(i)}: {err} (each line must be one game, from the start position)") from None
+    return pa.array(games, pa.list_(pa.string()))
+
+
+def tokenize_batch(batch, indices, kind, files, first_rows, encoder, special, notation):
     """The `datasets.map` function: one batch of lines (jsonl) or rows (parquet) -> token lists."""
     import pyarrow as pa
     if kind == "jsonl":
@@ -255,6 +272,7 @@ def tokenize_batch(batch, indices, kind, files, first_rows, encoder, special):
     else:
         moves, where = moves_from_parquet(batch.column("Moves"), indices, files, first_rows)
     check_moves(moves, where)
+    moves = in_notation(moves, where, notation)
     return pa.table({"ids": tokenize_moves(moves, where, encoder, special)})
 
 
@@ -411,9 +429,10 @@ def tokenizer_fingerprint(tokenizer):
     return hashlib.sha256(json.dumps([content, special]).encode()).hexdigest()
 
 
-def cache_key(kind, files, tokenizer, max_seq_length, pack, cache):
+def cache_key(kind, files, tokenizer, max_seq_length, pack, notation, cache):
     parts = {"format": FORMAT, "kind": kind, "files": [file_digest(f, cache) for f in files],
-             "tokenizer": tokenizer_fingerprint(tokenizer), "max_seq_length": max_seq_length, "pack": bool(pack)}
+             "tokenizer": tokenizer_fingerprint(tokenizer), "max_seq_length": max_seq_length, "pack": bool(pack),
+             "notation": notation}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -458,7 +477,7 @@ def die_with_the_preparer():
             os._exit(1)
 
 
-def prepare(kind, files, tokenizer, max_seq_length, pack, folder, num_proc=None):
+def prepare(kind, files, tokenizer, max_seq_length, pack, notation, folder, num_proc=None):
     """Tokenize and write into a temporary folder, then publish it with one rename. The caller
     holds the lock, so a temporary folder of the same key left behind was a preparer that died."""
     import datasets
@@ -485,21 +504,25 @@ def prepare(kind, files, tokenizer, max_seq_length, pack, folder, num_proc=None)
         if len(games) == 0:
             raise empty
         encoder, special = encoder_of(tokenizer)
-        # A process costs about a second to start: small sets are done in this one.
-        num_proc = num_proc or max(1, min(usable_cores(), len(games) // 20_000))
+        # A process costs about a second to start: small sets are done in this one. Replaying games
+        # for the piece notation runs at about 1,000 games per second and core, tokenizing at 20 times that.
+        per_process = 20_000 if notation == "uci" else 2_000
+        num_proc = num_proc or max(1, min(usable_cores(), len(games) // per_process))
         print(f"preparing {source} ({len(games):,} {'lines' if kind == 'jsonl' else 'games'}) "
               f"with {num_proc} process{'es' if num_proc > 1 else ''} ...", flush=True)
         token_lists = games.with_format("arrow").map(
             tokenize_batch, batched=True, batch_size=10_000, with_indices=True, remove_columns=games.column_names,
             num_proc=num_proc if num_proc > 1 else None,
             new_fingerprint=folder.name,  # our key, not a hash of the function and tokenizer
-            fn_kwargs={"kind": kind, "first_rows": first_rows, "files": loaded, "encoder": encoder, "special": special})
+            fn_kwargs={"kind": kind, "first_rows": first_rows, "files": loaded, "encoder": encoder, "special": special,
+                       "notation": notation})
         meta = write_rows(token_lists.data, partial, max_seq_length, pack, len(tokenizer))
         if meta["games"] == 0:
             raise empty
         del games, token_lists
         shutil.rmtree(partial / "datasets")
-        meta.update(format=FORMAT, max_seq_length=max_seq_length, pack=bool(pack), sources=[str(f) for f in files],
+        meta.update(format=FORMAT, max_seq_length=max_seq_length, pack=bool(pack), notation=notation,
+                    sources=[str(f) for f in files],
                     tokenizer=str(tokenizer.name_or_path), seconds=round(time.perf_counter() - began, 1))
         (partial / "meta.json").write_text(json.dumps(meta, indent=1))
         try:
@@ -515,24 +538,25 @@ def prepare(kind, files, tokenizer, max_seq_length, pack, folder, num_proc=None)
         _preparing["pid"] = None
         if bars:
             datasets.enable_progress_bars()
-    print(f"prepared {meta['games']:,} games: {meta['rows']:,} rows, {meta['tokens']:,} tokens "
-          f"in {meta['seconds']} s -> {folder}", flush=True)
+    print(f"prepared {meta['games']:,} games in the {notation} notation: {meta['rows']:,} rows, {meta['tokens']:,} "
+          f"tokens in {meta['seconds']} s ({meta['games'] / max(meta['seconds'], 0.1):,.0f} games/s) -> {folder}",
+          flush=True)
 
 
-def prepared_rows(data_dir, split, tokenizer, max_seq_length, pack, cache_dir=None, num_proc=None):
-    """The rows of DATA_DIR's `split`, prepared now if no process did it before. Many processes
-    may call this at once (ranks, nodes): one prepares, the others wait for it and then read."""
+def prepared_rows(data_dir, split, tokenizer, max_seq_length, pack, cache_dir=None, num_proc=None, notation="uci"):
+    """The rows of DATA_DIR's `split` in `notation`, prepared now if no process did it before. Many
+    processes may call this at once (ranks, nodes): one prepares, the others wait for it and then read."""
     kind, files = source_files(data_dir, split)
     cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     try:
-        key = cache_key(kind, files, tokenizer, max_seq_length, pack, cache)
+        key = cache_key(kind, files, tokenizer, max_seq_length, pack, notation, cache)
         folder = cache / key
         if not (folder / "meta.json").is_file():
             def say_who(holder):
                 print(f"waiting for {holder} to prepare the {split} data ({folder})", flush=True)
             with wait_for_lock(cache / f"{key}.lock", on_wait=say_who):
                 if not (folder / "meta.json").is_file():  # the one we waited for may have done it
-                    prepare(kind, files, tokenizer, max_seq_length, pack, folder, num_proc)
+                    prepare(kind, files, tokenizer, max_seq_length, pack, notation, folder, num_proc)
     except OSError as err:
         if err.errno not in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT):
             raise

@@ -167,7 +167,7 @@ def edit_config(model, **changes):
 
 @pytest.mark.parametrize("changes, words", [
     ({"num_hidden_layers": "two"}, "cannot build the model from its config.json"),
-    ({"vocab_size": 1000}, "has 1,972 tokens but the model only"),  # a tokenizer larger than the embedding
+    ({"vocab_size": 50}, "has 78 tokens but the model only"),  # a tokenizer larger than the embedding
 ], ids=["wrongly-typed-value", "tokenizer-larger-than-embedding"])
 def test_model_config_that_cannot_work(demo, tmp_path, existing_run, changes, words):
     model = model_copy(demo, tmp_path)
@@ -343,6 +343,7 @@ def test_a_full_disk_is_one_line_that_says_so(demo, small_disk, step):
     ("fsdp", ["--shard_group_size", "0"], "--shard_group_size must be at least 1"),
     ("lora", ["--lora_target_modules", " , "], "at least one --lora_target_modules"),
     ("lora", ["--lora_rank", "0"], "LoRA needs --lora_rank >= 1"),
+    ("lora", ["--qlora", "--precision", "fp32"], "--qlora computes in bf16"),  # before the GPU check: on any machine
 ])
 def test_out_of_range_step_options_are_refused(step, argv, words):
     with pytest.raises(UserError, match=words):

@@ -26,7 +26,7 @@ def lora_run(demo, tmp_path_factory):
 
 def validation_loss(model, demo, tokenizer, cache_dir):
     """What train.py reports as eval_loss (the QUICK settings: 8 rows of 64 tokens)."""
-    rows = prepared_rows(demo / "data", "validation", tokenizer, 64, True, cache_dir)
+    rows = prepared_rows(demo / "data", "validation", tokenizer, 64, True, cache_dir, notation="piece")
     total, tokens = validation_loss_sums(model.eval(), rows[:8], 4, tokenizer.pad_token_id, torch.device("cpu"))
     return (total / tokens).item()
 

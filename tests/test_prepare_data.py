@@ -1,6 +1,6 @@
 """The prepared data (common/prepare_data.py) and the file lock it uses (common/lock.py).
 
-Real files, the real `datasets` package and the demo tokenizer: rows as the kit has always
+Real files, the real `datasets` package and a one-token-per-move tokenizer: rows as the kit has always
 made them, jsonl and laion-schema parquet, one preparer while other processes wait (also when
 the preparer is killed mid-way), a cache keyed by content, a read-only data directory, the
 data errors of tests/test_bad_input.py, and rows that pickle as a file name, not as data.
@@ -28,14 +28,16 @@ import torch
 from common.errors import UserError
 from common.lock import holder, try_lock, wait_for_lock
 from common.prepare_data import default_cache_dir, encoder_of, prepared_rows, read_games
+from common.steps import load_script
 from conftest import REPO
 from test_bad_input import BAD_DATA, replace_line
 
 
 @pytest.fixture(scope="module")
-def tokenizer(demo):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(demo / "model")
+def tokenizer():
+    """One token per UCI move: rows of the data's own notation, so the expected rows are plain to
+    write (the piece notation's rows: tests/test_notation.py)."""
+    return load_script("01_download/download.py").build_word_tokenizer("uci")
 
 
 def texts(path):
@@ -194,7 +196,7 @@ def test_the_cache_key_follows_content(demo, tokenizer, tmp_path, capsys):
     assert rows_of(data=data_copy(demo, tmp_path))[0].folder == first.folder  # the same bytes elsewhere
     assert rows_of(row=32)[0].folder != first.folder and rows_of(pack=False)[0].folder != first.folder
     model = tmp_path / "model"
-    shutil.copytree(demo / "model", model)
+    tokenizer.save_pretrained(model)
     same, prepared = rows_of(tok=AutoTokenizer.from_pretrained(model))
     assert same.folder == first.folder and not prepared
     used = AutoTokenizer.from_pretrained(model)  # padding and truncation left set on it by a call
@@ -273,12 +275,12 @@ def test_a_read_only_data_directory(demo, tokenizer, tmp_path, monkeypatch):
 WORKER = r"""
 import hashlib, json, os, sys, time
 from pathlib import Path
-from transformers import AutoTokenizer
 import common.prepare_data as prepare_data
+from common.steps import load_script
 
-model, data, cache, marks, mode = sys.argv[1:6]
+data, cache, marks, mode = sys.argv[1:5]
 marks = Path(marks)
-tokenizer = AutoTokenizer.from_pretrained(model)
+tokenizer = load_script("01_download/download.py").build_word_tokenizer("uci")  # the `tokenizer` fixture's
 if mode == "slow":  # whoever prepares takes its time, so that the others surely find it at work
     prepare = prepare_data.prepare
     prepare_data.prepare = lambda *args, **kwargs: (time.sleep(2), prepare(*args, **kwargs))
@@ -299,8 +301,8 @@ print(json.dumps({"digest": digest, "folder": str(rows.folder)}), flush=True)
 
 def start_worker(demo, cache, marks, mode, log):
     marks.mkdir(exist_ok=True)
-    return subprocess.Popen([sys.executable, "-c", WORKER, str(demo / "model"), str(demo / "data"), str(cache),
-                             str(marks), mode], cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT,
+    return subprocess.Popen([sys.executable, "-c", WORKER, str(demo / "data"), str(cache), str(marks), mode],
+                            cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
 
 
@@ -476,15 +478,18 @@ def test_bad_parquet_files(demo, tokenizer, tmp_path):
 
 # ---- the login-node command --------------------------------------------------------------------------
 
-def test_the_prepare_command(demo, tokenizer, tmp_path, capsys):
+def test_the_prepare_command(demo, tmp_path, capsys):
+    from transformers import AutoTokenizer
     cache = tmp_path / "cache"
     command = [sys.executable, str(REPO / "01_download/prepare.py"), "--model", str(demo / "model"),
                "--data_dir", str(demo / "data"), "--prepared_dir", str(cache), "--max_seq_length", "64"]
     first = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]
     assert first.stdout.count("preparing ") == 2 and "train: " in first.stdout and "validation: " in first.stdout
-    for split in ("train", "validation"):  # what training will look for is there
-        assert f"{prepared_rows(demo / 'data', split, tokenizer, 64, True, cache_dir=cache).folder}" in first.stdout
+    demo_tokenizer = AutoTokenizer.from_pretrained(demo / "model")
+    for split in ("train", "validation"):  # what training will look for is there: the model's own notation
+        rows = prepared_rows(demo / "data", split, demo_tokenizer, 64, True, cache_dir=cache, notation="piece")
+        assert f"{rows.folder}" in first.stdout
     assert "preparing" not in capsys.readouterr().out
     bad = data_copy(demo, tmp_path)
     replace_line(bad / "train.jsonl", 7, '{"text": "e2e4 e7e5')
