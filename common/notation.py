@@ -60,11 +60,18 @@ def words_of(notation, moves):
             raise IllegalGame(ply, text) from None
         if not board.is_legal(move):
             raise IllegalGame(ply, text)
-        piece = PIECES[board.piece_type_at(move.from_square) - 1]
-        promotion = f" ={chess.piece_symbol(move.promotion)}" if move.promotion else ""
-        words.append(f"{piece} {text[:2]} {text[2:4]}{promotion}")
+        words.append(move_text(board, notation, move))
         board.push(move)
     return words
+
+
+def move_text(board, notation, move):
+    """One legal move on `board` in the notation: "g1f3" or "N g1 f3"."""
+    if notation == "uci":
+        return move.uci()
+    piece = PIECES[board.piece_type_at(move.from_square) - 1]
+    promotion = f" ={chess.piece_symbol(move.promotion)}" if move.promotion else ""
+    return f"{piece} {chess.square_name(move.from_square)} {chess.square_name(move.to_square)}{promotion}"
 
 
 def game_text(notation, moves):
