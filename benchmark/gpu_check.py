@@ -71,7 +71,7 @@ def check_plan():
 
 def make_model_dir(args, model_dir):
     """config.json (the 7B shape, or the overrides) and the demo tokenizer, no weights. The demo
-    tokenizer's 78 tokens fit the 32,016 embeddings; its special tokens and its notation (the piece
+    tokenizer's 85 tokens fit the 32,016 embeddings; its special tokens and its notation (the piece
     notation's words) go into the config, so the games are written as it reads them and generation
     stops where they end."""
     config = json.loads(CONFIG.read_text())

@@ -17,7 +17,9 @@ move statistics alone score) on the same positions.
 
 Into --out it writes legal_moves.png (the legal-move rate, the baseline's and the validation loss
 against the tokens seen), legal_moves.md (the same as tables, with the command, the recipe and the
-times) and legal_moves.json. The wall time counts everything this command does.
+times) and legal_moves.json. The wall time counts everything this command does. Measured on 2
+cores (2026-11-24): 68.5% legal moves on the 1,000 held-out positions in 839 s, the trigram table
+33.0%; the target, 75% in 15 minutes, is not reached yet (the README has the table).
 """
 import ast
 import json
@@ -195,8 +197,8 @@ def parse_arguments(argv=None):
                help="rows per forward pass; a pass pads its rows to the longest game, so fewer rows waste less")
     parser.add("max_seq_length", type=count, default=1024, help="tokens per row: whole games of up to 300 plies")
     parser.add("learning_rate", type=float, default=3e-3, help="peak learning rate (cosine decay to 10%%)")
-    parser.add("max_steps", type=count, default=900)
-    parser.add("eval_every", type=count, default=150)
+    parser.add("max_steps", type=count, default=800)
+    parser.add("eval_every", type=count, default=200)
     parser.add("eval_games", type=count, default=200, help="held-out positions for the curve (during training)")
     parser.add("seed", type=count, default=0, help="the model's initialisation, the data order and the positions")
     args = parser.parse_args(argv)

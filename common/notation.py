@@ -1,14 +1,16 @@
 """How a game is written for the model: UCI as the data has it, or the piece notation.
 
-    uci     e2e4 e7e5 g1f3 ... a7a8q           one word per move (the data's own format)
-    piece   P e2 e4 P e7 e5 N g1 f3 ... P a7 a8 =q
-            each move as the piece that moves (P N B R Q K, as PGN's `Nf3` names it), its
-            from-square and its to-square, and `=q`/`=r`/`=b`/`=n` after a promotion
+    uci     e2e4 e7e5 g1f3 ... d1h5 ... a7a8q      one word per move (the data's own format)
+    piece   P e2 e4 p e7 e5 N g1 f3 ... Q d1 h5 + ... P a7 a8 =q
+            each move as the piece that moves (as FEN writes it: P N B R Q K for white, p n b r q k
+            for black), its from-square and its to-square, then `=q`/`=r`/`=b`/`=n` after a
+            promotion and `+` after a move that gives check (as PGN marks it)
 
 UCI stays the format of the data on disk (01_download). The piece notation is made while the data
 is prepared, by replaying each game with python-chess, and only a replay can make it: which piece
-stands on g1 depends on every move before. It is what makes a small model learn the board (the
-README's table): to name the piece, the model has to know where the pieces are. The notation is a
+stands on g1, and whether a move gives check, depends on every move before. It is what makes a
+small model learn the board (the README's table): to name the piece, the model has to know where
+the pieces are, and the check marker tells it when its king must be saved. The notation is a
 choice for any model; a model's config.json may name the one it was trained in (`chess_notation`,
 which the built-in model sets and every final model keeps), and --notation chooses another.
 """
@@ -17,8 +19,9 @@ import chess
 from common.errors import UserError
 
 NOTATIONS = ("uci", "piece")
-PIECES = "PNBRQK"  # upper case: never confused with a promotion, which is `=` and a lower-case letter
+PIECES = "PNBRQKpnbrqk"  # FEN's letters; a promotion is never confused with them: it starts with `=`
 PROMOTIONS = ("=q", "=r", "=b", "=n")
+CHECK = "+"
 SQUARES = tuple(chess.SQUARE_NAMES)
 CONFIG_KEY = "chess_notation"
 
@@ -66,12 +69,13 @@ def words_of(notation, moves):
 
 
 def move_text(board, notation, move):
-    """One legal move on `board` in the notation: "g1f3" or "N g1 f3"."""
+    """One legal move on `board` in the notation: "g1f3" or "N g1 f3" ("Q d1 h5 +" if it gives check)."""
     if notation == "uci":
         return move.uci()
-    piece = PIECES[board.piece_type_at(move.from_square) - 1]
     promotion = f" ={chess.piece_symbol(move.promotion)}" if move.promotion else ""
-    return f"{piece} {chess.square_name(move.from_square)} {chess.square_name(move.to_square)}{promotion}"
+    check = f" {CHECK}" if board.gives_check(move) else ""
+    return (f"{board.piece_at(move.from_square).symbol()} {chess.square_name(move.from_square)} "
+            f"{chess.square_name(move.to_square)}{promotion}{check}")
 
 
 def game_text(notation, moves):
@@ -79,11 +83,11 @@ def game_text(notation, moves):
 
 
 def vocabulary(notation):
-    """The words of a notation, for a word-level tokenizer like the built-in one: 74 in the piece
+    """The words of a notation, for a word-level tokenizer like the built-in one: 81 in the piece
     notation; in UCI every move a piece could ever make (queen lines and knight jumps from every
     square, and promotions), 1,968 words."""
     if notation == "piece":
-        return list(PIECES) + list(SQUARES) + list(PROMOTIONS)
+        return [*PIECES, *SQUARES, *PROMOTIONS, CHECK]
     moves = set()
     for start in chess.SQUARES:
         for end in chess.SQUARES:
@@ -98,12 +102,13 @@ def vocabulary(notation):
 
 def longest_move_text(notation):
     """The move with the most words or characters: how far generation must run to read one move."""
-    return "a7a8q" if notation == "uci" else "P a7 a8 =q"
+    return "a7a8q" if notation == "uci" else "P a7 a8 =q +"
 
 
 def first_move(notation, text):
     """The first move written in `text` (what the model generated): (the move, the piece it names,
-    or None in UCI), or None if the text does not start with a well-formed move."""
+    or None in UCI), or None if the text does not start with a well-formed move. A check marker
+    after it is the model's claim, not part of the move: it is not judged."""
     words = text.split()
     if notation == "uci":
         uci, piece = words[0] if words else "", None
@@ -127,11 +132,11 @@ def board_after(moves):
 
 def legal_in(board, notation, text):
     """Is the first move written in `text` legal on `board`? In the piece notation the named piece
-    must also be the one on the from-square: `N e2 e4` is not the pawn's move."""
+    must also be the one on the from-square, of the side to move: `N e2 e4` is not the pawn's move."""
     found = first_move(notation, text)
     if found is None:
         return False
     move, piece = found
     if move not in board.legal_moves:
         return False
-    return piece is None or PIECES[board.piece_type_at(move.from_square) - 1] == piece
+    return piece is None or board.piece_at(move.from_square).symbol() == piece

@@ -139,4 +139,3 @@ def assert_same_run(reference_dir, other_dir, tolerance, weights=True):
         assert ref_weights.keys() == got_weights.keys()
         worst = max((ref_weights[k] - got_weights[k]).abs().max().item() for k in ref_weights)
         assert worst <= tolerance, worst
-

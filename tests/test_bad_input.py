@@ -167,7 +167,7 @@ def edit_config(model, **changes):
 
 @pytest.mark.parametrize("changes, words", [
     ({"num_hidden_layers": "two"}, "cannot build the model from its config.json"),
-    ({"vocab_size": 50}, "has 78 tokens but the model only"),  # a tokenizer larger than the embedding
+    ({"vocab_size": 50}, "has 85 tokens but the model only"),  # a tokenizer larger than the embedding
 ], ids=["wrongly-typed-value", "tokenizer-larger-than-embedding"])
 def test_model_config_that_cannot_work(demo, tmp_path, existing_run, changes, words):
     model = model_copy(demo, tmp_path)

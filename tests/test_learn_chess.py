@@ -35,18 +35,26 @@ def test_quick_mode_writes_the_plot_the_table_and_a_rate(quick_run):
     assert [p["step"] for p in points] == [0, 3, 6]  # untrained, then every --eval_every steps
     assert points[0]["tokens"] == 0 and points[1]["tokens"] < points[2]["tokens"]
     table = (out / "legal_moves.md").read_text()
-    assert table.count("\n| ") == 1 + len(points)  # header and one row per point (the separator starts "|-")
+    # the curve: a header and one row per point; the final model: a header and a row per phase and overall
+    # (the separators start "|-")
+    assert table.count("\n| ") == 1 + len(points) + 1 + 4
     assert f"{100 * results['legal_move_rate']:.1f}%" in table
-    assert "legal moves:" in stdout and "wall time:" in stdout
+    assert "legal moves on 24 held-out positions: " in stdout and "wall time:" in stdout
 
 
-def test_no_evaluation_game_is_trained_on(quick_run):
+def test_no_evaluated_game_opens_like_a_trained_one(quick_run):
+    """The held-out games share no 10-ply opening with any training game: the evaluation's positions
+    are not ones the model was shown. The quick run's 24 held-out openings are the shipped games' last."""
     out, _ = quick_run
-    train = {json.loads(line)["text"] for line in (out / "data/train.jsonl").read_text().splitlines()}
+    train = [json.loads(line)["text"] for line in (out / "data/train.jsonl").read_text().splitlines()]
     validation = [json.loads(line)["text"] for line in (out / "data/validation.jsonl").read_text().splitlines()]
-    assert validation and not train & set(validation)
-    sample = [" ".join(m) for m in pq.read_table(REPO / "01_download/chess_sample.parquet").column("Moves").to_pylist()]
-    assert validation == sample[-len(validation):]  # the demo's own held-out games
+    openings = {tuple(game.split()[:10]) for game in validation}
+    assert len(openings) == 24 and not any(tuple(game.split()[:10]) in openings for game in train)
+    learn = [" ".join(m) for m in pq.read_table(REPO / "01_download/chess_learn.parquet").column("Moves").to_pylist()]
+    assert validation[-1] == learn[-1]
+    results = json.loads((out / "legal_moves.json").read_text())
+    assert sum(row["positions"] for phase, row in results["by_phase"].items() if phase != "all") == len(validation)
+    assert results["by_phase"]["all"]["positions"] == len(validation) and 0 <= results["baseline"] <= 1
 
 
 def test_the_shipped_learning_games_leave_out_the_sample():

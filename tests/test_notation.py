@@ -19,17 +19,19 @@ from common.prepare_data import prepared_rows
 PROMOTING = "e2e4 d7d5 e4d5 c7c6 d5c6 g8f6 c6b7 b8d7 b7a8q".split()
 # castling short, and an en-passant capture
 CASTLING = "e2e4 a7a6 g1f3 b7b5 f1e2 c7c6 e1g1 h7h6 e4e5 d7d5 e5d6".split()
+FOOLS_MATE = "f2f3 e7e5 g2g4 d8h4".split()  # the last move gives check (mate)
 
 
 @pytest.mark.quick
 def test_each_move_names_its_piece_and_promotions_stand_apart():
-    assert words_of("piece", PROMOTING) == ["P e2 e4", "P d7 d5", "P e4 d5", "P c7 c6", "P d5 c6", "N g8 f6",
-                                            "P c6 b7", "N b8 d7", "P b7 a8 =q"]
+    assert words_of("piece", PROMOTING) == ["P e2 e4", "p d7 d5", "P e4 d5", "p c7 c6", "P d5 c6", "n g8 f6",
+                                            "P c6 b7", "n b8 d7", "P b7 a8 =q"]
     assert words_of("piece", CASTLING)[6] == "K e1 g1" and words_of("piece", CASTLING)[-1] == "P e5 d6"
+    assert words_of("piece", FOOLS_MATE) == ["P f2 f3", "p e7 e5", "P g2 g4", "q d8 h4 +"]
     assert words_of("uci", PROMOTING) == PROMOTING
-    assert game_text("piece", PROMOTING[:2]) == "P e2 e4 P d7 d5"
-    pieces, promotions = set("PNBRQK"), {"=q", "=r", "=b", "=n"}
-    assert pieces.isdisjoint(promotions) and len(vocabulary("piece")) == 6 + 64 + 4
+    assert game_text("piece", PROMOTING[:2]) == "P e2 e4 p d7 d5"
+    pieces, promotions = set("PNBRQKpnbrqk"), {"=q", "=r", "=b", "=n"}
+    assert pieces.isdisjoint(promotions) and len(vocabulary("piece")) == 12 + 64 + 4 + 1
     assert len(vocabulary("uci")) == 1968 and "a7a8q" in vocabulary("uci")
 
 
@@ -43,13 +45,14 @@ def test_a_move_that_cannot_be_replayed_is_named():
 @pytest.mark.quick
 def test_a_generated_move_is_read_back_and_its_piece_checked():
     board = chess.Board()
-    assert legal_in(board, "piece", "N g1 f3 P e7")  # what follows the move does not matter
-    assert legal_in(board, "piece", "P e2 e4")
+    assert legal_in(board, "piece", "N g1 f3 p e7")  # what follows the move does not matter
+    assert legal_in(board, "piece", "P e2 e4 +")  # nor a check it claims
     assert not legal_in(board, "piece", "N e2 e4")  # a legal move, but not the knight's
+    assert not legal_in(board, "piece", "n g1 f3")  # black's knight: not on g1, and not black's turn
     assert not legal_in(board, "piece", "P e2 e5")
     assert not legal_in(board, "piece", "e3 e3 P") and not legal_in(board, "piece", "P e2") and not legal_in(
         board, "piece", "")
-    assert first_move("piece", "P b7 a8 =q N g8") == (chess.Move.from_uci("b7a8q"), "P")
+    assert first_move("piece", "P b7 a8 =q + n g8") == (chess.Move.from_uci("b7a8q"), "P")
     assert legal_in(chess.Board("8/1P6/8/8/8/8/8/k1K5 w - - 0 1"), "piece", "P b7 b8 =n")
     assert not legal_in(chess.Board("8/1P6/8/8/8/8/8/k1K5 w - - 0 1"), "piece", "P b7 b8")  # no promotion named
     assert legal_in(board, "uci", "g1f3 e7e5") and not legal_in(board, "uci", "g1g3") and not legal_in(board, "uci",
@@ -148,17 +151,17 @@ def scripted_llama(tokenizer, next_word):
 
 @pytest.mark.quick
 def test_generation_reads_each_moves_tokens_back(demo):
-    """A prompt ending in e4 makes the model write N g8 f6 (legal after 1. e4), one ending in d5
-    makes it write N e2 e4 (a square the knight is not on); prompts of different lengths share a
+    """A prompt ending in e4 makes the model write n g8 f6 (legal after 1. e4), one ending in d5
+    makes it write Q e2 e4 (a square the queen is not on); prompts of different lengths share a
     left-padded batch, and the KV cache gives the tokens a full recomputation gives."""
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(demo / "model")
-    model = scripted_llama(tokenizer, {"e4": "N", "N": "g8", "g8": "f6", "f6": "P", "d5": "Q", "Q": "e2", "e2": "e4"})
+    model = scripted_llama(tokenizer, {"e4": "n", "n": "g8", "g8": "f6", "f6": "P", "d5": "Q", "Q": "e2", "e2": "e4"})
     prefixes = [["e2e4"], ["e2e4", "d7d5", "e4e5", "g8f6", "d2d4", "d7d5"][:2]]
     assert legal_moves(model, tokenizer, "piece", prefixes, 2, 64, torch.device("cpu")) == [True, False]
     prompts = [[tokenizer.bos_token_id, *tokenizer(game_text("piece", p), add_special_tokens=False)["input_ids"]]
                for p in prefixes]
     written = greedy_tokens(model, prompts, 4, tokenizer.pad_token_id, torch.device("cpu"))
-    assert [tokenizer.decode(w) for w in written] == ["N g8 f6 P", "Q e2 e4 N"]
+    assert [tokenizer.decode(w) for w in written] == ["n g8 f6 P", "Q e2 e4 n"]
     one_by_one = [greedy_tokens(model, [p], 4, tokenizer.pad_token_id, torch.device("cpu"))[0] for p in prompts]
     assert written == one_by_one

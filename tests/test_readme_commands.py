@@ -56,8 +56,11 @@ SKIPPED = {
     r"^python 04_fsdp/export\.py runs/fsdp/": "needs the checkpoint of the 100-step run above (tests/test_export.py "
                                               "exports one)",
     r"^python benchmark/run\.py( --quick)?$": "the benchmark: 35 minutes (--quick: minutes, tests/test_benchmark.py)",
-    r"^python benchmark/gpu_check\.py$": "the GPU check on the full 7B shape: a GPU node, up to 10 minutes "
+    r"^python benchmark/gpu_check\.py$": "the GPU check on the full 7B shape: a GPU node, up to 30 minutes "
                                          "(tests/test_gpu_check.py runs a shrunk shape)",
+    r"^python benchmark/learn_chess\.py$": "the learning run: 15 minutes (tests/test_learn_chess.py runs --quick)",
+    r"^python play\.py --model runs/learn_chess/": "plays the learning run's model (tests/test_play.py plays the demo "
+                                                  "model and a sub-word one, also as a UCI engine)",
     r"^tensorboard ": "starts a server that runs until stopped",
     r"^python benchmark/sweep\.py$": "the sweep: minutes (tests/test_sweep.py runs a tiny one)",
     r"^python benchmark/sweep\.py --slurm (?!.*--dry-run)": "submits a job array: needs Slurm",
@@ -162,8 +165,8 @@ def run(command, cwd=REPO, timeout=180):
 def generation_snippet():
     """The main README's python block that loads a trained model and checks its next move."""
     text = (REPO / "README.md").read_text()
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "import chess" in b and "generate(" in b]
-    assert len(blocks) == 1, "the README's generation snippet (a ```python block with `import chess`) is gone"
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "common.notation" in b and "generate(" in b]
+    assert len(blocks) == 1, "the README's generation snippet (a ```python block with `common.notation`) is gone"
     return blocks[0]
 
 
@@ -235,4 +238,3 @@ def test_generation_snippet_runs_on_a_trained_model(results):
     assert done.returncode == 0, f"{seconds} s\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
     assert re.search(r"^next move: '.*' \((legal|not legal) after e2e4 e7e5 g1f3 b8c6\)$", done.stdout, re.M), \
         done.stdout[-2000:]
-
