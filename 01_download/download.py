@@ -247,7 +247,10 @@ def build_tiny_llama(tokenizer, seed, notation="piece", layers=8, hidden=128):
     holds a whole game of 300 plies in the piece notation. config.json names the notation."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=round(hidden * 2.6875),
+    # Embedding rows rounded up to a multiple of 64, as real vocabularies are: 85 tokens would shard
+    # unevenly over 2, 4 or 8 ranks, and the plan check counts even shards.
+    config = LlamaConfig(vocab_size=-(-len(tokenizer) // 64) * 64, hidden_size=hidden,
+                         intermediate_size=round(hidden * 2.6875),
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
                          max_position_embeddings=1024, rms_norm_eps=1e-5, tie_word_embeddings=False,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,

@@ -315,10 +315,10 @@ def test_every_script_answers_help(script):
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 24 MiB file system: room for the run's metrics, not for a checkpoint of the demo model."""
+    """A 12 MiB file system: room for the run's metrics, not for a checkpoint of the demo model (19 MB)."""
     disk = tmp_path / "small-disk"
     disk.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(disk)],
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(disk)],
                                            capture_output=True).returncode != 0:
         pytest.skip("cannot mount a small tmpfs here (needs root)")
     yield disk

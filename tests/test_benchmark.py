@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from common.notation import game_text
 from common.steps import load_script
 from conftest import REPO
 
@@ -57,10 +58,12 @@ def test_the_wide_vocab_model_tokenizes_the_games_as_the_demo_and_is_reproducibl
     run = load_run_module()
     first = run.build_wide_vocab_model(demo / "model", tmp_path / "a")
     second = run.build_wide_vocab_model(demo / "model", tmp_path / "b")
-    assert run.parameter_count(first) == (13_650_176, 20_480)  # 10.5M of them in embeddings and output layer
+    assert run.parameter_count(first) == (6_826_112, 20_480)  # 5.2M of them in embeddings and output layer
     wide, small = AutoTokenizer.from_pretrained(first), AutoTokenizer.from_pretrained(demo / "model")
-    game = (demo / "data" / "train.jsonl").read_text().splitlines()[0]
+    moves = json.loads((demo / "data" / "train.jsonl").read_text().splitlines()[0])["text"].split()
+    game = game_text("piece", moves)  # as the games are prepared for both (the demo config's notation)
     assert wide(game).input_ids == small(game).input_ids and wide.pad_token_id == small.pad_token_id
+    assert small.unk_token_id not in small(game).input_ids
     a, b = load_file(first / "model.safetensors"), load_file(second / "model.safetensors")
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
 
@@ -84,7 +87,7 @@ def test_quick_covers_both_models_and_both_accumulations(quick):
     assert list(runs_of(results, "built-in", 1)) == compared
     assert list(runs_of(results, "wide vocab", 2)) == compared[:2] + ["fsdp FULL_SHARD x2 --accumulate_unsharded"] \
         + compared[2:]
-    assert [results["models"][m]["vocab_size"] for m in ("built-in", "wide vocab")] == [85, 20_480]
+    assert [results["models"][m]["vocab_size"] for m in ("built-in", "wide vocab")] == [128, 20_480]
     table = (out / "results.md").read_text()
     for row in results["runs"]:
         assert row["steps"] == results["steps"]

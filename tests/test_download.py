@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from common.notation import game_text
 from fake_hub import FakeHub
 
 REPO = Path(__file__).resolve().parents[1]
@@ -388,16 +389,16 @@ def test_demo_builds_a_tiny_model_and_data_without_network(hub, tmp_path):
 
     sample = [" ".join(moves) for moves in pq.read_table(REPO / "01_download/chess_sample.parquet")
               .column("Moves").to_pylist()]
-    moves = sorted({move for game in sample for move in game.split()})
-    ids = tokenizer(" ".join(moves), add_special_tokens=False)["input_ids"]
-    assert len(ids) == len(moves) and tokenizer.unk_token_id not in ids  # one known token per move
-    for game in sample[:50]:
-        game_ids = tokenizer(game, add_special_tokens=False)["input_ids"]
-        assert len(game_ids) == len(game.split())
-        assert tokenizer.decode(game_ids) == game
+    assert model.config.chess_notation == "piece" and model.config.vocab_size % 64 == 0
+    for game in sample[:50]:  # the piece notation's words, one known token each
+        text = game_text("piece", game.split())
+        game_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert len(game_ids) == len(text.split()) and tokenizer.unk_token_id not in game_ids
+        assert tokenizer.decode(game_ids) == text
 
     train, validation = read_games(out / "data/train.jsonl"), read_games(out / "data/validation.jsonl")
-    assert train + validation == sample and len(validation) == 200
+    assert sorted(train + validation) == sorted(sample) and len(validation) >= 200
+    assert {tuple(g.split()[:10]) for g in validation}.isdisjoint(tuple(g.split()[:10]) for g in train)
     for path in (out / "data/train.jsonl", out / "data/validation.jsonl"):
         rows = [json.loads(line) for line in path.read_text().splitlines()]
         assert all(list(row) == ["text"] and all(UCI.match(m) for m in row["text"].split()) for row in rows)

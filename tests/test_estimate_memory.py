@@ -277,7 +277,7 @@ def test_table_works_offline_from_the_built_in_config(monkeypatch, capsys):
 def test_report_on_a_local_model_directory(demo_model, capsys):
     em.main(["--model", str(demo_model), "--gpus_per_node", "2", "--max_seq_length", "256"])
     out = capsys.readouterr().out
-    assert "1,604,992 parameters" in out and "verdict: fits in 80 GiB" in out
+    assert "1,616,000 parameters" in out and "verdict: fits in 80 GiB" in out
 
 
 def test_bad_input_is_one_error_line():

@@ -47,7 +47,7 @@ def test_random_weights_need_only_the_config(demo, tmp_path):
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     losses = [r["loss"] for r in read_metrics(out)]
-    assert len(losses) == 3 and all(4.0 < loss < 5.0 for loss in losses)  # ln(85) = 4.44: an untrained model
+    assert len(losses) == 3 and all(4.5 < loss < 5.2 for loss in losses)  # ln(128) = 4.85: an untrained model
     assert (out / "final/model.safetensors").is_file()
     # Run by itself, the step refuses the same folder: there are no weights to load.
     result = run_step("fsdp", args(tmp_path / "refused") + ["--max_steps", 1], nproc=1, check=False)

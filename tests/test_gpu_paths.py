@@ -22,9 +22,12 @@ from conftest import REPO, run_step
 
 
 def run_ranks(tmp_path, source, nproc=2):
-    """`source` as a script under torchrun (gloo, `nproc` CPU processes); its output."""
+    """`source` as a script under torchrun (gloo, `nproc` CPU processes); its output. Each rank
+    leaves as the kit's ranks do (common/errors.py: leave_after_success), so that a gloo group's
+    worker thread cannot abort a finished rank while Python shuts down."""
     script = tmp_path / "ranks.py"
-    script.write_text(textwrap.dedent(source))
+    leave = "from common.errors import leave_after_success\nleave_after_success()\n"
+    script.write_text(textwrap.dedent(source) + leave)
     return run_step(script, [], nproc=nproc, timeout=300).stdout
 
 
