@@ -66,8 +66,8 @@ def share_of_rank(items, rank, world_size, what):
 
 
 def tokens_per_move(tokenizer, notation):
-    """How many tokens the longest move needs, plus one: 2 for a one-token-per-move vocabulary, 5
-    for the built-in piece notation's (piece, from, to, promotion), a few more for CodeLlama's
+    """How many tokens the longest move needs, plus one: 2 for a one-token-per-move vocabulary, 6
+    for the built-in piece notation's (piece, from, to, promotion, check), a few more for CodeLlama's
     sub-words. Greedy decoding runs that many steps."""
     text = " " + longest_move_text(notation)
     return 1 + len(tokenizer(text, add_special_tokens=False)["input_ids"])
