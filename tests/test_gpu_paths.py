@@ -42,15 +42,15 @@ def test_cpu_tensors_are_reduced_by_gloo_beside_the_gpu_backend(tmp_path):
     assert process_group.backend("cuda") == "nccl" and process_group.backend("cpu") == "gloo"
     assert process_group.backend("cuda", cpu_tensors=True) == "cuda:nccl,cpu:gloo"
     out = run_ranks(tmp_path, """
-        import torch, torch.distributed as dist
+        import os, torch, torch.distributed as dist
         import torch.testing._internal.distributed.fake_pg  # registers the "fake" backend
         from common.process_group import backend
         dist.init_process_group(backend("cuda", cpu_tensors=True).replace("nccl", "fake"))
         group = dist.group.WORLD
         norm = torch.tensor([dist.get_rank() + 1.0])
         dist.all_reduce(norm)
-        print(group._get_backend(torch.device("cpu")).name(), group._get_backend(torch.device("cuda")).name(),
-              norm.item(), flush=True)
+        cpu, cuda = group._get_backend(torch.device("cpu")).name(), group._get_backend(torch.device("cuda")).name()
+        os.write(1, f"{cpu} {cuda} {norm.item()}\\n".encode())  # one write per rank: the ranks' lines never mix
         dist.destroy_process_group()
     """)
     assert out.splitlines() == ["gloo fake 3.0"] * 2
