@@ -18,8 +18,8 @@ move statistics alone score) on the same positions.
 Into --out it writes legal_moves.png (the legal-move rate, the baseline's and the validation loss
 against the tokens seen), legal_moves.md (the same as tables, with the command, the recipe and the
 times) and legal_moves.json. The wall time counts everything this command does. Measured on 2
-cores (2026-11-24): 68.5% legal moves on the 1,000 held-out positions in 839 s, the trigram table
-33.0%; the target, 75% in 15 minutes, is not reached yet (the README has the table).
+cores from a fresh clone (2026-11-24): 69.3% legal moves on the 1,000 held-out positions in 922 s,
+the trigram table 33.0%; the target, 75% in 15 minutes, is not reached yet (the README has the table).
 """
 import ast
 import json
