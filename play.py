@@ -30,7 +30,7 @@ import chess.pgn
 
 from common.arguments import Parser
 from common.errors import UserError, exit_on_user_error, first_line
-from common.notation import CONFIG_KEY, NOTATIONS, first_move, legal_in, model_notation, move_text, words_of
+from common.notation import first_move, legal_in, model_notation, move_text, words_of
 
 REPO = Path(__file__).resolve().parent
 # Set before transformers is imported: in UCI mode stdout is the protocol's, and a game's output is the board.
@@ -60,9 +60,6 @@ class ModelPlayer:
         torch.set_grad_enabled(False)  # inference only
         config = load_config(name)
         self.notation = model_notation(config)
-        if self.notation not in NOTATIONS:
-            raise UserError(f"{name}'s config.json has {CONFIG_KEY} {self.notation!r}, not one of "
-                            f"{', '.join(NOTATIONS)}")
         self.tokenizer = load_tokenizer(name, config)
         self.device = pick_device(device)
         self.model = load_model(name, config=config).to(self.device).eval()

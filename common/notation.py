@@ -36,16 +36,17 @@ class IllegalGame(ValueError):
 
 def model_notation(config):
     """The notation a model was trained in, as its config.json says (UCI if it says nothing)."""
-    return getattr(config, CONFIG_KEY, None) or "uci"
+    notation = getattr(config, CONFIG_KEY, None) or "uci"
+    if notation not in NOTATIONS:
+        raise UserError(f"config.json's {CONFIG_KEY} is {notation!r}, not one of {', '.join(NOTATIONS)}: correct "
+                        "it there (training also takes --notation)")
+    return notation
 
 
 def training_notation(args, config):
     """The notation a run trains in: --notation, else the model's own. Written into the config, so
     the checkpoints' and the final model's config.json say which one the model reads."""
     notation = args.notation or model_notation(config)
-    if notation not in NOTATIONS:
-        raise UserError(f"config.json's {CONFIG_KEY} is {notation!r}, not one of {', '.join(NOTATIONS)}: pass "
-                        "--notation")
     setattr(config, CONFIG_KEY, notation)
     return notation
 

@@ -12,7 +12,8 @@ import torch
 
 from common.chess_eval import TrigramBaseline, greedy_tokens, held_out_split, legal_moves, phase_of
 from common.errors import UserError
-from common.notation import IllegalGame, first_move, game_text, legal_in, vocabulary, words_of
+from common.notation import (IllegalGame, first_move, game_text, legal_in, model_notation, training_notation,
+                             vocabulary, words_of)
 from common.prepare_data import prepared_rows
 
 # 1. e4 d5 2. exd5 c6 3. dxc6 Nf6 4. cxb7 Nbd7 5. bxa8=Q: captures and a promotion
@@ -33,6 +34,18 @@ def test_each_move_names_its_piece_and_promotions_stand_apart():
     pieces, promotions = set("PNBRQKpnbrqk"), {"=q", "=r", "=b", "=n"}
     assert pieces.isdisjoint(promotions) and len(vocabulary("piece")) == 12 + 64 + 4 + 1
     assert len(vocabulary("uci")) == 1968 and "a7a8q" in vocabulary("uci")
+
+
+@pytest.mark.quick
+def test_a_models_notation_comes_from_its_config_and_an_unknown_one_is_refused():
+    from argparse import Namespace
+
+    from transformers import LlamaConfig
+    assert model_notation(LlamaConfig()) == "uci"  # a model that says nothing: the data's own notation
+    unknown = LlamaConfig(chess_notation="san")
+    with pytest.raises(UserError, match="config.json's chess_notation is 'san', not one of uci, piece"):
+        model_notation(unknown)
+    assert training_notation(Namespace(notation="piece"), unknown) == "piece" == unknown.chess_notation
 
 
 @pytest.mark.quick
