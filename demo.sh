@@ -19,10 +19,10 @@ echo "== 02_singlegpu: 1 process, 8 rows x 2 micro-batches =="
 $python 02_singlegpu/train.py --output_dir "$runs/02_singlegpu" "${train[@]}"
 
 echo "== 03_ddp: 2 ranks x 8 rows =="
-$python -m common.torchrun --standalone --nproc-per-node 2 03_ddp/train.py --output_dir "$runs/03_ddp" "${train[@]}"
+$python -m launch.torchrun --standalone --nproc-per-node 2 03_ddp/train.py --output_dir "$runs/03_ddp" "${train[@]}"
 
 echo "== 04_fsdp: 2 ranks x 8 rows =="
-$python -m common.torchrun --standalone --nproc-per-node 2 04_fsdp/train.py --output_dir "$runs/04_fsdp" "${train[@]}"
+$python -m launch.torchrun --standalone --nproc-per-node 2 04_fsdp/train.py --output_dir "$runs/04_fsdp" "${train[@]}"
 
 $python benchmark/compare_runs.py "$runs/02_singlegpu" "$runs/03_ddp" "$runs/04_fsdp"
 echo "(tokens/s and memory vary with the machine and its load, the losses slightly with the CPU and torch build;"

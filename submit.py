@@ -9,7 +9,7 @@ One Slurm task per node runs torchrun, which starts one process per GPU; the tra
 works out the gradient accumulation that keeps the total batch the same at any GPU count, and
 submit.py prints it first, with the same function. Arguments after `--` go to the training
 script; its own parser checks them before anything is queued. For the FSDP steps (fsdp, lora) the
-plan check (04_fsdp/check_plan.py) then runs the job's code on fake tensors, in seconds on the
+plan check (tools/check_plan.py) then runs the job's code on fake tensors, in seconds on the
 login node's CPU, and a job that cannot fit in --gpu_memory_gib is refused with what to change.
 Run it on the login node, after the download step (compute nodes are offline).
 """
@@ -28,8 +28,9 @@ import submitit
 from common.arguments import Parser
 from common.batch import describe, gradient_accumulation_steps
 from common.errors import UserError, exit_on_user_error, first_line
-from common.steps import REPO, STEP_SCRIPTS, check_training_arguments, load_script
-from slurm.step_launcher import PREEMPTION_SIGNAL, PREEMPTION_WARNING_S, StepLauncher
+from launch.steps import REPO, TRAINING_STEPS, check_training_arguments
+from tools import check_plan
+from launch.step_launcher import PREEMPTION_SIGNAL, PREEMPTION_WARNING_S, StepLauncher
 
 # Training arguments that submit.py sets itself, from its own options of the same name.
 MANAGED_ARGUMENTS = ("model", "data_dir", "output_dir", "total_batch_size", "batch_size_per_device")
@@ -41,7 +42,7 @@ def parse_arguments(argv):
     own, training_args = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     parser = Parser(description=__doc__.split("\n\n")[0])
     parser.usage = "%(prog)s --step {singlegpu,ddp,fsdp,lora} [options] [-- training arguments]"
-    parser.add("step", required=True, choices=sorted(STEP_SCRIPTS), help="which step to run")
+    parser.add("step", required=True, choices=sorted(TRAINING_STEPS), help="which step to run")
     parser.add("job_name", help="the job's name in squeue (default: the step)")
     parser.add("gpus", type=int, default=1, help="GPUs per node")
     parser.add("nodes", type=int, default=1, help="nodes")
@@ -193,7 +194,7 @@ def main(argv):
     if not args.dry_run and shutil.which("sbatch") is None:
         raise UserError("no Slurm here (sbatch not found): run this on the cluster's login node, or add --dry-run")
     if args.step in ("fsdp", "lora") and not args.force:
-        load_script("04_fsdp/check_plan.py").check_job(args.step, job, args.gpus, args.nodes, args.gpu_memory_gib,
+        check_plan.check_job(args.step, job, args.gpus, args.nodes, args.gpu_memory_gib,
                                                        override="--force")
 
     executor, cpus_per_task = make_executor(args, timeout_min, warning_s)

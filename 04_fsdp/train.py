@@ -168,7 +168,7 @@ def main():
     # Checkpoints: no rank holds the whole model, so every rank writes its own shards
     # (torch.distributed.checkpoint). The files don't depend on the world size: a run saved on
     # 2 ranks resumes on 4, each rank reading the pieces of its new shards. Rank 0 adds the config
-    # and tokenizer, so that 04_fsdp/export.py can turn a checkpoint into a Hugging Face model.
+    # and tokenizer, so that tools/export.py can turn a checkpoint into a Hugging Face model.
     def save_checkpoint(step):
         path = checkpoint_dir(output_dir, step)
         model_state, optimizer_state = get_state_dict(model, optimizer)

@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from common.arguments import DEMO_DIR, Parser
 from common.errors import exit_on_user_error
 from common.model import load_model
-from common.steps import load_step
+from launch.steps import load_step
 
 MICRO_BATCHES = 2
 

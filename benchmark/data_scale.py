@@ -55,7 +55,7 @@ def measure(games, args, env):
     model = Path(args.demo) / "model"
     prepare_s = timed([sys.executable, "01_download/prepare.py", "--model", model, "--data_dir", data,
                        "--prepared_dir", prepared, "--max_seq_length", SEQ_LENGTH], work / "prepare.log", env)
-    timed([sys.executable, "-m", "common.torchrun", "--standalone", "--nproc-per-node", 2, "03_ddp/train.py",
+    timed([sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc-per-node", 2, "03_ddp/train.py",
            "--model", model, "--data_dir", data, "--prepared_dir", prepared, "--output_dir", run, "--overwrite",
            "--max_steps", args.steps, "--max_seq_length", SEQ_LENGTH, "--total_batch_size", 16,
            "--batch_size_per_device", 8, "--eval_every", 0, "--eval_rows", 8, "--eval_games", 8],

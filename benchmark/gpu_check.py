@@ -25,7 +25,7 @@ Rows of the table (printed, and written to WORK_DIR/gpu_check.md; the figures to
                     where its loss strays from LoRA's by more than 2 % over the same steps.
 Each row gives tokens/s per GPU (the first step not counted), MFU, peak memory per GPU
 (torch.cuda.max_memory_allocated, rank 0: loading and the first evaluation included) and the plan
-check's predicted peak for the same job (04_fsdp/check_plan.py, step 2 of training only).
+check's predicted peak for the same job (tools/check_plan.py, step 2 of training only).
 
 The time limit covers the three 7B loads: rank 0 initialises 6.7B random weights on one thread
 (torchrun's OMP_NUM_THREADS=1) while the other ranks wait, minutes each.
@@ -53,7 +53,7 @@ from common.metrics import peak_flops
 from common.model import DEMO_DOWNLOAD, load_config
 from common.notation import CONFIG_KEY as NOTATION_KEY
 from common.notation import model_notation
-from common.steps import load_script
+
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "benchmark" / "codellama-7b-config.json"
@@ -63,10 +63,6 @@ GiB = 1024 ** 3
 COLUMNS = ["check", "setup", "result", "tokens/s per GPU (rank)", "MFU", "peak allocated GiB/GPU",
            "plan check's peak GiB", "mean loss", "time s"]
 QLORA_LOSS_TOLERANCE = 0.02  # QLoRA's mean loss within 2 % of LoRA's over the same steps
-
-
-def check_plan():
-    return load_script("04_fsdp/check_plan.py")
 
 
 def make_model_dir(args, model_dir):
@@ -291,7 +287,7 @@ def main():
     else:
         runner.skip("step 2", "demo model, 1 GPU, bf16 autocast", "no CUDA GPU here")
     runner.run("step 3", f"demo model, DDP, {ranks} ranks, {backend}", "03_ddp/train.py", ranks, demo(4 * ranks))
-    plan_module = check_plan()
+    from tools import check_plan as plan_module  # torch and transformers: only when asked
     fsdp_demo = demo(4 * ranks) + ["--precision", precision]
     runner.run("step 4", f"demo model, FSDP FULL_SHARD, {ranks} ranks, {backend}", "04_fsdp/train.py", ranks,
                fsdp_demo, plan=planned(plan_module, "fsdp", fsdp_demo, ranks))

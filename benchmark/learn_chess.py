@@ -37,7 +37,7 @@ from common.arguments import REPO, Parser
 from common.chess_eval import TrigramBaseline, game_prefixes, held_out_split, legal_moves, phase_of
 from common.errors import UserError, exit_on_user_error
 from common.notation import NOTATIONS, model_notation
-from common.steps import load_script
+from launch.steps import load_step
 
 SAMPLE = REPO / "01_download" / "chess_sample.parquet"
 LEARN_GAMES = REPO / "01_download" / "chess_learn.parquet"
@@ -52,7 +52,7 @@ QUICK = {"train_games": 300, "held_out": 24, "max_steps": 6, "eval_every": 3, "e
 def build_model(folder, seed, notation, layers, hidden):
     """The built-in model, as `download.py --demo` builds it (by default: the same tokenizer, shape
     and weights); another notation or shape to compare with."""
-    download = load_script("01_download/download.py")
+    download = load_step("download")
     tokenizer = download.build_word_tokenizer(notation)
     model = download.build_tiny_llama(tokenizer, seed, notation, layers, hidden)
     model.save_pretrained(folder, safe_serialization=True)
@@ -62,7 +62,7 @@ def build_model(folder, seed, notation, layers, hidden):
 
 def build_data(folder, learn_games, train_games, held_out):
     """train.jsonl and validation.jsonl (the held-out games); no training game opens like a held-out one."""
-    download = load_script("01_download/download.py")
+    download = load_step("download")
     games = download.games_from_parquet(SAMPLE) + (download.games_from_parquet(learn_games) if learn_games else [])
     train, validation = held_out_split(list(dict.fromkeys(games)), held_out)
     if train_games:
@@ -76,7 +76,7 @@ def train_command(args, model_dir, data_dir, run_dir):
     if args.nproc == 1:
         launcher = [sys.executable, str(SCRIPTS[1])]
     else:
-        launcher = [sys.executable, "-m", "common.torchrun", "--standalone", f"--nproc-per-node={args.nproc}",
+        launcher = [sys.executable, "-m", "launch.torchrun", "--standalone", f"--nproc-per-node={args.nproc}",
                     str(SCRIPTS[2])]
     options = {"model": model_dir, "data_dir": data_dir, "output_dir": run_dir,
                "prepared_dir": Path(args.out) / "prepared", "total_batch_size": args.total_batch_size,

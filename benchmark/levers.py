@@ -20,7 +20,7 @@ from pathlib import Path
 
 from common.arguments import DEMO_DIR, REPO, Parser
 from common.errors import UserError, exit_on_user_error
-from common.steps import load_script
+from launch.steps import load_script
 
 LEVERS = ["as is", "prefetch", "compile"]
 RANKS = 2

@@ -137,11 +137,11 @@ def run_compared(compared, models, args, steps, rounds):
 
 def launch(script, ranks, arguments, log_path, timeout):
     """Run a script as a user would: python for step 2, the kit's torchrun for the rest (even on
-    one rank: they need its rendezvous), as slurm/step_launcher.py does."""
+    one rank: they need its rendezvous), as launch/step_launcher.py does."""
     if script == SCRIPTS["single"]:
         command = [sys.executable, str(REPO / script)]
     else:
-        command = [sys.executable, "-m", "common.torchrun", "--standalone", f"--nproc-per-node={ranks}",
+        command = [sys.executable, "-m", "launch.torchrun", "--standalone", f"--nproc-per-node={ranks}",
                    str(REPO / script)]
     # One thread per rank: ranks never fight over cores, and the comparison is about the parallelism.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}

@@ -22,7 +22,7 @@ from common.arguments import DEMO_DIR, Parser
 from common.errors import exit_on_user_error
 from common.model import load_model
 from common.optim import make_optimizer
-from common.steps import load_step
+from launch.steps import load_step
 
 
 def local_bytes(tensor):

@@ -34,7 +34,9 @@ from pathlib import Path
 
 from common.arguments import DEMO_DIR, REPO, Parser
 from common.errors import UserError, exit_on_user_error
-from common.steps import check_training_arguments, load_script
+import submit
+from benchmark import run as benchmark_run
+from launch.steps import check_training_arguments
 
 SCRIPT = "04_fsdp/train.py"
 CPU_RANKS = 2
@@ -47,14 +49,6 @@ RUN_TIMEOUT_S = 3600  # one run of a few steps; longer means it hangs
 OUT_OF_MEMORY = re.compile(r"OutOfMemoryError|CUDA out of memory|CUDA error: out of memory|CUBLAS_STATUS_ALLOC_FAILED")
 # Options that mean nothing to a local sweep.
 SLURM_ONLY = ("gpus", "nodes", "partition", "account", "time", "cpus_per_task", "mem_gb", "dry_run")
-
-
-def benchmark_run():
-    return load_script("benchmark/run.py")
-
-
-def submit_module():
-    return load_script("submit.py")
 
 
 def out_of_memory(log_text):
@@ -123,7 +117,7 @@ def run_locally(args):
         f", {torch.cuda.device_count()} × {torch.cuda.get_device_name(0)}" if on_gpu else "")
     check_training_arguments("fsdp", training_arguments(args, planned_run(args.out, 1, False), nproc))
     results = {**describe(args, nproc, machine), "load_average_before": load_average()}
-    launch = benchmark_run().launch
+    launch = benchmark_run.launch
     out_of_memory_at = {}  # checkpointing setting -> the batch size that ran out
     for batch in batch_sizes(largest):
         for checkpointing in (False, True):
@@ -152,9 +146,8 @@ def run_locally(args):
 
 def submit_array(args):
     """Every (batch size, checkpointing) pair as one task of a single job array, each task
-    launched as submit.py launches a job (its executor, slurm/step_launcher.py's StepLauncher)."""
-    from slurm.step_launcher import StepLauncher
-    submit = submit_module()
+    launched as submit.py launches a job (its executor, launch/step_launcher.py's StepLauncher)."""
+    from launch.step_launcher import StepLauncher
     out = Path(args.out).resolve()
     if "%" in str(out) or not str(out).isprintable():
         raise UserError(f"--out {args.out!r}: its logs folder goes into the job script, where Slurm would expand "
@@ -216,7 +209,7 @@ def submit_array(args):
 
 def describe(args, ranks, machine):
     import torch
-    parameters, _ = benchmark_run().parameter_count(args.model)
+    parameters, _ = benchmark_run.parameter_count(args.model)
     return {"command": shlex.join(["benchmark/sweep.py", *sys.argv[1:]]),
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": machine,
             "torch": torch.__version__, "model": str(args.model),

@@ -1,5 +1,6 @@
-"""What the three training steps share: data, chess evaluation, metrics, arguments.
+"""What the training steps (02_singlegpu to 05_lora) share, one idea per module: data, chess
+notation and evaluation, arguments, checkpoints, metrics, the run directory.
 
-Everything that teaches parallelism stays in the step scripts themselves; this package
-holds only what is identical in 02_singlegpu, 03_ddp and 04_fsdp.
+Everything that teaches parallelism stays in the step scripts themselves. Launching lives in
+`launch/`, tools that serve several steps in `tools/`; nothing here imports either.
 """

@@ -69,9 +69,9 @@ source slurm/preemption.sh  # the USR2 and TERM traps, USR2_IGNORED, wait_for_tr
 
 # One torchrun per node (srun starts them); each starts one process per GPU. A failure anywhere
 # ends the whole step (--kill-on-bad-exit). torchrun ignores USR2 (its processes handle it).
-# `python -m common.torchrun` is torchrun itself, with a user's mistake reported as one line.
+# `python -m launch.torchrun` is torchrun itself, with a user's mistake reported as one line.
 srun --kill-on-bad-exit=1 --nodes="$SLURM_NNODES" --ntasks-per-node=1 "${USR2_IGNORED[@]}" \
-  python -m common.torchrun --nnodes="$SLURM_NNODES" --nproc-per-node="$GPUS_PER_NODE" \
+  python -m launch.torchrun --nnodes="$SLURM_NNODES" --nproc-per-node="$GPUS_PER_NODE" \
   --rdzv-backend=c10d --rdzv-endpoint="$FIRST_NODE:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}" \
   03_ddp/train.py --model "$MODEL" --data_dir "$DATA_DIR" --output_dir "$OUTPUT_DIR" \
   --total_batch_size "$TOTAL_BATCH_SIZE" --batch_size_per_device "$BATCH_SIZE_PER_DEVICE" "$@" &

@@ -6,7 +6,7 @@
 #   TOTAL_BATCH_SIZE=32 BATCH_SIZE_PER_DEVICE=2 sbatch --nodes=1 --gpus-per-node=2 slurm/fsdp.sh
 #
 # Arguments after the script name go to 04_fsdp/train.py (--help lists them). Before training, the
-# plan check (04_fsdp/check_plan.py) stops a job that cannot fit in GPU memory: FORCE=1 skips it.
+# plan check (tools/check_plan.py) stops a job that cannot fit in GPU memory: FORCE=1 skips it.
 #
 # ---- site setup: edit this block for your cluster ------------------------------------------
 #SBATCH --job-name=fsdp
@@ -75,15 +75,15 @@ TRAINING_ARGS=(--model "$MODEL" --data_dir "$DATA_DIR" --output_dir "$OUTPUT_DIR
 # (up to a minute for 7B on 64 GPUs), and stops a job that cannot fit, saying what to change,
 # before any weights load. GPU_MEMORY_GIB=40 for another GPU than this node's; FORCE=1 skips it.
 if [[ ${SLURM_RESTART_COUNT:-0} == 0 && -z ${FORCE:-} ]]; then
-  python 04_fsdp/check_plan.py --gpus_per_node "$GPUS_PER_NODE" --nodes "$SLURM_NNODES" \
+  python tools/check_plan.py --gpus_per_node "$GPUS_PER_NODE" --nodes "$SLURM_NNODES" \
     ${GPU_MEMORY_GIB:+--gpu_memory_gib "$GPU_MEMORY_GIB"} --override "FORCE=1 sbatch" -- "${TRAINING_ARGS[@]}"
 fi
 
 # One torchrun per node (srun starts them); each starts one process per GPU. A failure anywhere
 # ends the whole step (--kill-on-bad-exit). torchrun ignores USR2 (its processes handle it).
-# `python -m common.torchrun` is torchrun itself, with a user's mistake reported as one line.
+# `python -m launch.torchrun` is torchrun itself, with a user's mistake reported as one line.
 srun --kill-on-bad-exit=1 --nodes="$SLURM_NNODES" --ntasks-per-node=1 "${USR2_IGNORED[@]}" \
-  python -m common.torchrun --nnodes="$SLURM_NNODES" --nproc-per-node="$GPUS_PER_NODE" \
+  python -m launch.torchrun --nnodes="$SLURM_NNODES" --nproc-per-node="$GPUS_PER_NODE" \
   --rdzv-backend=c10d --rdzv-endpoint="$FIRST_NODE:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}" \
   04_fsdp/train.py "${TRAINING_ARGS[@]}" &
 wait_for_training $!

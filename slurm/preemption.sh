@@ -9,7 +9,7 @@
 # * SIGTERM, "stop now": at a preemption (most sites warn with nothing else) Slurm sends it to
 #   every process of the job's steps (not to this shell) and SIGKILL after the partition's
 #   GraceTime; at the time limit to this shell too, with SIGKILL after KillWait (30 s by default).
-#   The ranks save a checkpoint at the end of their step and exit; torchrun (common/torchrun.py)
+#   The ranks save a checkpoint at the end of their step and exit; torchrun (launch/torchrun.py)
 #   then exits 143. This shell keeps waiting for it: the job ends when this shell does.
 # Either way, once the training has stopped early with a new complete checkpoint, this shell puts
 # the job back in the queue (`scontrol requeue`: same job id, SLURM_RESTART_COUNT + 1), and the

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from common.errors import UserError
-from common.steps import load_step
+from launch.steps import load_step
 from conftest import RANKS, REPO, RESUMABLE, assert_same_run, demo_args, read_metrics, run_step
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from common.notation import game_text
-from common.steps import load_script
+from benchmark import run as benchmark_run
 from conftest import REPO
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -24,16 +24,12 @@ def run_script(script, *args, timeout=300):
                           text=True, timeout=timeout, env=env, cwd=REPO)
 
 
-def load_run_module():
-    return load_script("benchmark/run.py")
-
-
 def per_device_and_accumulation(extra):
     return extra[extra.index("--batch_size_per_device") + 1], extra[extra.index("--total_batch_size") + 1]
 
 
 def test_full_benchmark_covers_every_configuration_at_each_accumulation_with_one_global_batch():
-    run = load_run_module()
+    run = benchmark_run
     compared, others = run.configurations(quick=False)
     assert run.MODELS == ["built-in", "wide vocab"] and run.ACCUMULATIONS == [1, 2]
     for model in run.MODELS:
@@ -55,7 +51,7 @@ def test_full_benchmark_covers_every_configuration_at_each_accumulation_with_one
 def test_the_wide_vocab_model_tokenizes_the_games_as_the_demo_and_is_reproducible(demo, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
-    run = load_run_module()
+    run = benchmark_run
     first = run.build_wide_vocab_model(demo / "model", tmp_path / "a")
     second = run.build_wide_vocab_model(demo / "model", tmp_path / "b")
     assert run.parameter_count(first) == (6_826_112, 20_480)  # 5.2M of them in embeddings and output layer

@@ -1,4 +1,4 @@
-"""04_fsdp/check_plan.py, the plan check: it agrees with estimate_memory.py's formulas on a small
+"""tools/check_plan.py, the plan check: it agrees with estimate_memory.py's formulas on a small
 Llama (the 7B table is in 04_fsdp/MEMORY.md), its verdict names the figure and what to change,
 it says so where it cannot run, and its per-rank state bytes are those of a real 2-rank run."""
 import json
@@ -9,13 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from common.steps import load_script
 from conftest import REPO
+from tools import check_plan as cp
 
 PLAN_CHECK = REPO / "04_fsdp" / "check_plan.py"
 
 
-cp = load_script("04_fsdp/check_plan.py")
 em = cp.estimate_memory
 GiB = cp.GiB
 

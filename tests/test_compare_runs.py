@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from common.steps import load_script
+from benchmark import compare_runs
+
 
 pytestmark = pytest.mark.quick
-compare_runs = load_script("benchmark/compare_runs.py")
 SUMMARY = {"world_size": 1, "final_loss": 6.5, "eval_loss": 6.6, "tokens_per_s": 4000.0, "peak_rss_mib_per_rank": 700,
            "legal_move_rate_untrained": 0.02, "legal_move_rate": 0.1}
 

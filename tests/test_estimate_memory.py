@@ -1,4 +1,4 @@
-"""04_fsdp/estimate_memory.py: its sharded figures are what FSDP2 really holds on each rank, its
+"""tools/estimate_memory.py: its sharded figures are what FSDP2 really holds on each rank, its
 activation count is what autograd really keeps, and its arithmetic and command line behave.
 
 The measurement is a real multi-process run: this file, started by torchrun, is its own helper
@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.steps import load_script
+from tools import estimate_memory as em
+
 
 REPO = Path(__file__).resolve().parents[1]
 ESTIMATOR = REPO / "04_fsdp" / "estimate_memory.py"
 CODELLAMA_PARAMS = 6_738_546_688
 
 
-em = load_script("04_fsdp/estimate_memory.py")
 GiB = em.GiB
 
 
@@ -159,7 +159,7 @@ def test_accumulate_unsharded_keeps_the_whole_model_and_its_gradients(codellama)
 
 @pytest.mark.quick
 def test_names_and_defaults_are_the_step_scripts():
-    from common.steps import load_step
+    from launch.steps import load_step
     fsdp, lora = load_step("fsdp"), load_step("lora")
     assert em.STRATEGIES == fsdp.STRATEGIES and set(em.COMPUTE_BYTES) == set(fsdp.PRECISIONS)
     defaults = lora.parse_arguments(["--output_dir", "unused"])

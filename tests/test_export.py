@@ -1,4 +1,4 @@
-"""04_fsdp/export.py: a sharded checkpoint becomes a Hugging Face model, in one plain process;
+"""tools/export.py: a sharded checkpoint becomes a Hugging Face model, in one plain process;
 incomplete checkpoints and occupied output folders are refused."""
 import os
 import shutil
@@ -11,7 +11,7 @@ import torch
 
 from conftest import REPO, demo_args, run_step
 
-EXPORT = REPO / "04_fsdp/export.py"
+EXPORT = REPO / "tools/export.py"
 
 
 def export(checkpoint, out_dir):

@@ -14,7 +14,7 @@ def test_only_rank0_holds_a_full_copy_while_loading(tmp_path):
     """measure_loading.py on a random Llama of 232 MiB in fp32 (small vocabulary, so that no single
     tensor is large), 2 ranks: loaded on every rank, rank 1's memory grows by at least the whole
     model; loaded train.py's way, by about its half only, while rank 0 holds it all."""
-    done = subprocess.run([sys.executable, str(REPO / "04_fsdp/measure_loading.py"), "--ranks", "2",
+    done = subprocess.run([sys.executable, str(REPO / "tools/measure_loading.py"), "--ranks", "2",
                            "--hidden_size", "768", "--layers", "8", "--vocab_size", "2000", "--json"],
                           capture_output=True, text=True, timeout=600, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from common.steps import load_script
 from conftest import REPO
+from benchmark import gpu_check
 
 ROWS = ["step 2", "step 3", "step 4", "step 4, CPU offload", "step 5, CPU offload", "7B shape, LoRA",
         "7B shape, QLoRA", "7B shape, full fine-tuning"]
@@ -91,7 +91,6 @@ def test_the_7b_shape_is_codellamas_with_the_demo_tokenizer(cpu_run):
 
 # ---- the verdict and QLoRA's comparison with LoRA, on rows as the runs leave them ----------------
 
-gpu_check = load_script("benchmark/gpu_check.py")
 CODELLAMA = json.loads((REPO / "benchmark/codellama-7b-config.json").read_text())
 
 

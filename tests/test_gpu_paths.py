@@ -17,7 +17,7 @@ import torch.distributed as dist
 from common import checkpoint, process_group
 from common.arguments import COLLECTIVE_TIMEOUT_S, check_arguments
 from common.errors import UserError
-from common.steps import load_step
+from launch.steps import load_step
 from conftest import REPO, run_step
 
 
@@ -154,7 +154,7 @@ def test_the_space_asked_for_is_what_a_sharded_save_writes(tmp_path):
         from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
         from transformers import LlamaConfig, LlamaForCausalLM
         from common.checkpoint import tensor_bytes
-        from common.steps import load_step
+        from launch.steps import load_step
         step4 = load_step("fsdp")
         dist.init_process_group("gloo")
         for strategy in ("FULL_SHARD", "NO_SHARD"):

@@ -81,7 +81,7 @@ def test_lora_run_resumes_exactly(lora_run, demo, tmp_path):
 
 def test_export_refuses_a_lora_checkpoint(lora_run, tmp_path):
     import subprocess
-    done = subprocess.run([sys.executable, str(REPO / "04_fsdp/export.py"), str(lora_run / "checkpoints/step-000010"),
+    done = subprocess.run([sys.executable, str(REPO / "tools/export.py"), str(lora_run / "checkpoints/step-000010"),
                            str(tmp_path / "out")], capture_output=True, text=True, cwd=REPO)
     assert done.returncode == 2 and "error:" in done.stderr and "LoRA adapters only" in done.stderr
     assert not (tmp_path / "out").exists()

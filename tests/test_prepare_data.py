@@ -28,7 +28,7 @@ import torch
 from common.errors import UserError
 from common.lock import holder, try_lock, wait_for_lock
 from common.prepare_data import default_cache_dir, encoder_of, prepared_rows, read_games
-from common.steps import load_script
+from launch.steps import load_step
 from conftest import REPO
 from test_bad_input import BAD_DATA, replace_line
 
@@ -37,7 +37,7 @@ from test_bad_input import BAD_DATA, replace_line
 def tokenizer():
     """One token per UCI move: rows of the data's own notation, so the expected rows are plain to
     write (the piece notation's rows: tests/test_notation.py)."""
-    return load_script("01_download/download.py").build_word_tokenizer("uci")
+    return load_step("download").build_word_tokenizer("uci")
 
 
 def texts(path):
@@ -276,11 +276,11 @@ WORKER = r"""
 import hashlib, json, os, sys, time
 from pathlib import Path
 import common.prepare_data as prepare_data
-from common.steps import load_script
+from launch.steps import load_step
 
 data, cache, marks, mode = sys.argv[1:5]
 marks = Path(marks)
-tokenizer = load_script("01_download/download.py").build_word_tokenizer("uci")  # the `tokenizer` fixture's
+tokenizer = load_step("download").build_word_tokenizer("uci")  # the `tokenizer` fixture's
 if mode == "slow":  # whoever prepares takes its time, so that the others surely find it at work
     prepare = prepare_data.prepare
     prepare_data.prepare = lambda *args, **kwargs: (time.sleep(2), prepare(*args, **kwargs))

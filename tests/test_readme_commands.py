@@ -27,8 +27,8 @@ RUN = [
     (r"^diff \S+/train\.py \S+/train\.py$", {0, 1}),  # diff exits 1 when the files differ: the lesson
     (r"^python \S+\.py --help$", {0}),
     (r"^python 01_download/prepare\.py --model demo/model --data_dir demo/data$", {0}),
-    (r"^python 04_fsdp/check_plan\.py --model demo/model ", {0}),
-    (r"^python 04_fsdp/estimate_memory\.py ", {0}),
+    (r"^python tools/check_plan\.py --model demo/model ", {0}),
+    (r"^python tools/estimate_memory\.py ", {0}),
     (REFUSED, {2}),
     (r"^python submit\.py .*--dry-run$", {0}),
     (r"^python benchmark/sweep\.py --slurm .*--dry-run$", {0}),
@@ -53,7 +53,7 @@ SKIPPED = {
                                                            "`demo` fixture runs it for the tests",
     r"^(torchrun|python) (?!.*--help).*\b0[2-5]_\w+/train\.py": "a training run of 100 steps, minutes on a CPU "
                                                                 "(the training tests run every step)",
-    r"^python 04_fsdp/export\.py runs/fsdp/": "needs the checkpoint of the 100-step run above (tests/test_export.py "
+    r"^python tools/export\.py runs/fsdp/": "needs the checkpoint of the 100-step run above (tests/test_export.py "
                                               "exports one)",
     r"^python benchmark/run\.py( --quick)?$": "the benchmark: 35 minutes (--quick: minutes, tests/test_benchmark.py)",
     r"^python benchmark/gpu_check\.py$": "the GPU check on the full 7B shape: a GPU node, up to 30 minutes "

@@ -107,12 +107,12 @@ def test_fsdp_resumes_on_more_ranks(demo, tmp_path, uninterrupted):
 def test_sigterm_to_torchrun_saves_and_resumes_exactly(demo, tmp_path, uninterrupted, step):
     """SIGTERM to the launcher, as Slurm sends it at a preemption or at the time limit: torchrun
     passes it to its ranks, which agree, save a complete checkpoint at the end of the step they are
-    in and exit; the launcher says nothing more (python -m common.torchrun). The time from the
+    in and exit; the launcher says nothing more (python -m launch.torchrun). The time from the
     signal to the complete checkpoint is well inside torchrun's 30 s before it kills the ranks."""
     nproc, split = SPLITS[step]
     stopped = tmp_path / "stopped"
     args = demo_args(demo, stopped) + ["--max_steps", STEPS, "--keep_checkpoints", 2] + split
-    launcher = [sys.executable, "-m", "common.torchrun", "--standalone", f"--nproc-per-node={nproc}",
+    launcher = [sys.executable, "-m", "launch.torchrun", "--standalone", f"--nproc-per-node={nproc}",
                 str(STEP_SCRIPTS[step]), *map(str, args)]
     process = subprocess.Popen(launcher, cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from common.errors import UserError
-from common.steps import load_script
+from benchmark import run as benchmark_run
+from benchmark import sweep as sweep_module
 from conftest import REPO
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -29,10 +30,6 @@ OTHER_FAILURE = """\
 [rank0]: RuntimeError: NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
 """
-
-
-def sweep_module():
-    return load_script("benchmark/sweep.py")
 
 
 def run_sweep(*args, env=None, timeout=120):
@@ -85,7 +82,7 @@ def test_collect_reads_the_same_runs_back(tiny_sweep):
 
 @pytest.mark.quick
 def test_out_of_memory_is_recognised_in_a_log(tmp_path):
-    sweep = sweep_module()
+    sweep = sweep_module
     assert sweep.out_of_memory(OOM_LOG)
     assert sweep.out_of_memory("RuntimeError: CUDA error: out of memory\nCUDA kernel errors might be ...")
     assert not sweep.out_of_memory(OTHER_FAILURE)
@@ -102,7 +99,7 @@ def test_out_of_memory_is_recognised_in_a_log(tmp_path):
 def test_out_of_memory_stops_the_doubling_of_its_setting_only(demo, tmp_path, monkeypatch):
     """The local sweep's rule, with the runs replaced by files: without checkpointing the run of
     2 rows per device fails as a GPU does; with it, every size up to --max_batch_size runs."""
-    sweep = sweep_module()
+    sweep = sweep_module
 
     def launch(script, ranks, arguments, log_path, timeout):
         value = dict(zip(arguments, arguments[1:]))
@@ -114,7 +111,7 @@ def test_out_of_memory_stops_the_doubling_of_its_setting_only(demo, tmp_path, mo
                    for s in (1, 2, 3)]
         (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
         (folder / "summary.json").write_text("{}")
-    monkeypatch.setattr(load_script("benchmark/run.py"), "launch", launch)
+    monkeypatch.setattr(benchmark_run, "launch", launch)
     monkeypatch.setattr(sys, "argv", ["sweep.py", "--model", str(demo / "model"), "--data_dir", str(demo / "data"),
                                       "--max_batch_size", "4", "--steps", "3", "--out", str(tmp_path)])
     runs = sweep.run_locally(sweep.parse_arguments())["runs"]
@@ -143,7 +140,7 @@ def test_slurm_dry_run_prints_one_array_script_without_slurm(demo, tmp_path, no_
     for line in ["#SBATCH --array=0-5%6", "#SBATCH --gpus-per-node=4", "#SBATCH --partition=gpu",
                  "#SBATCH --time=20", "#SBATCH --signal=USR2@300", "#SBATCH --requeue"]:
         assert line in script.splitlines(), line
-    assert ("-m common.torchrun --nnodes=1 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=FIRST_NODE:PORT "
+    assert ("-m launch.torchrun --nnodes=1 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=FIRST_NODE:PORT "
             "--rdzv-id=JOBID-RESTARTS 04_fsdp/train.py") in out  # StepLauncher's line, as submit.py's
     assert "--total_batch_size 16 --batch_size_per_device 4" in out and "--gradient_checkpointing" in out
     assert not (tmp_path / "sweep").exists()  # nothing submitted, nothing written

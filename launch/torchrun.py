@@ -1,6 +1,6 @@
 """torchrun, reporting a user's mistake as the one line the rank printed.
 
-    python -m common.torchrun --nproc-per-node 2 03_ddp/train.py ...   # exactly torchrun's arguments
+    python -m launch.torchrun --nproc-per-node 2 03_ddp/train.py ...   # exactly torchrun's arguments
 
 When a rank stops on a mistake the user can fix (a bad argument, a missing file, a batch that does
 not divide), the training script prints one `error:` line (rank 0 only) and exits with status 2.

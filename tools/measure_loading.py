@@ -1,8 +1,8 @@
 """Peak host memory (RSS) per rank while the model is loaded and sharded: every rank loading the
 model (the naive way), or rank 0 loading it and broadcasting (common/sharded_loading.py, as train.py does).
 
-    python 04_fsdp/measure_loading.py --ranks 2 4      # a random 270M-parameter Llama (1 GiB in fp32)
-    python 04_fsdp/measure_loading.py --model DIR      # or a model of your own
+    python tools/measure_loading.py --ranks 2 4      # a random 270M-parameter Llama (1 GiB in fp32)
+    python tools/measure_loading.py --model DIR      # or a model of your own
 
 Each measurement is a fresh torchrun on the CPU (gloo). A rank's figure is its peak RSS during the
 load minus its RSS just before (torch, transformers and the process group already set up): the
@@ -38,7 +38,7 @@ def measure_one_rank(method, model_dir):
 
     from common.model import load_config, load_model
     from common.sharded_loading import load_sharded_model
-    from common.steps import load_step
+    from launch.steps import load_step
     train = load_step("fsdp")
 
     dist.init_process_group(backend="gloo")

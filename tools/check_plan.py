@@ -1,9 +1,9 @@
 """Will a step-4/5 job fit in GPU memory? The plan check runs the job's own code on fake tensors.
 
-    python 04_fsdp/check_plan.py --gpus_per_node 8 --nodes 8 --max_seq_length 4096 --gradient_checkpointing
-    python 04_fsdp/check_plan.py --gpus_per_node 1 --lora --json       # step 5 on one GPU, as JSON
-    python 04_fsdp/check_plan.py --model demo/model --gpus_per_node 2 --max_seq_length 256
-    python 04_fsdp/check_plan.py --compare_table                       # CodeLlama-7b, next to estimate_memory.py
+    python tools/check_plan.py --gpus_per_node 8 --nodes 8 --max_seq_length 4096 --gradient_checkpointing
+    python tools/check_plan.py --gpus_per_node 1 --lora --json       # step 5 on one GPU, as JSON
+    python tools/check_plan.py --model demo/model --gpus_per_node 2 --max_seq_length 256
+    python tools/check_plan.py --compare_table                       # CodeLlama-7b, next to estimate_memory.py
 
 No GPU is needed and no weights are read: only the model's config (`--model` is a local directory,
 a config.json, or a Hugging Face id in the local cache; for codellama/CodeLlama-7b-hf the kit's
@@ -64,7 +64,8 @@ from common.data import count_loss_tokens, loss_sum
 from common.errors import UserError, exit_on_user_error, first_line
 from common.model import build_model, enable_gradient_checkpointing
 from common.optim import make_optimizer
-from common.steps import check_training_arguments, load_script, load_step
+from launch.steps import check_training_arguments, load_step
+from tools import estimate_memory
 
 GiB = 1024 ** 3
 MAX_RANKS = 512
@@ -91,7 +92,6 @@ class PlanUnavailable(UserError):
     tensors, QLoRA): say so, and let the job go ahead unchecked."""
 
 
-estimate_memory = load_script("04_fsdp/estimate_memory.py")
 LORA_DEFAULTS = {"lora_rank": estimate_memory.LORA_RANK, "lora_target_modules": estimate_memory.LORA_TARGETS}
 
 
@@ -214,7 +214,7 @@ def plan(args, gpus_per_node, nodes=1, step="fsdp", gpu_memory_gib=None):
         raise UserError(f"the plan check runs 1 to {MAX_RANKS} ranks (got {nodes} x {gpus_per_node} = {world_size})")
     if getattr(args, "qlora", False):
         raise PlanUnavailable("QLoRA's 4-bit base model (bitsandbytes, CUDA) cannot be built on fake tensors: "
-                              "see `python 04_fsdp/estimate_memory.py --qlora` for the formula's figure")
+                              "see `python tools/estimate_memory.py --qlora` for the formula's figure")
     if dist.is_initialized():
         raise PlanUnavailable("a process group is already running in this process")
     accumulation = gradient_accumulation_steps(args.total_batch_size, args.batch_size_per_device, world_size)
@@ -309,7 +309,7 @@ def verdict_line(result):
                 f"({where})")
     changes = result["would_fit_with"]
     advice = (f"by the estimate it would fit with {', or '.join(changes)}" if changes
-              else "no single change fits by the estimate: combine them (python 04_fsdp/estimate_memory.py)")
+              else "no single change fits by the estimate: combine them (python tools/estimate_memory.py)")
     return (f"plan check: does NOT fit: {gib(result['needed'])} GiB per GPU needed ({where}), a GPU has "
             f"{result['gpu_memory_gib']:g} GiB; {advice}")
 
@@ -386,7 +386,7 @@ def compare_table(args):
     """Markdown: the plan check next to estimate_memory.py at 1, 2, 4, 8 and 64 ranks, every
     strategy, with and without activation checkpointing and LoRA (takes a while: 80 plan checks)."""
     import transformers
-    command = "python 04_fsdp/check_plan.py " + " ".join(sys.argv[1:])
+    command = "python tools/check_plan.py " + " ".join(sys.argv[1:])
     lines = [f"`{command}`, {date.today().isoformat()}, torch {torch.__version__}, transformers "
              f"{transformers.__version__}: {args.model}, {args.precision}, sequence {args.max_seq_length}, batch "
              f"{args.batch_size_per_device} per GPU, nodes of {args.gpus_per_node} GPUs (HYBRID_SHARD shards "

@@ -1,6 +1,6 @@
 """Turn a checkpoint of 04_fsdp/train.py into a Hugging Face model (safetensors + tokenizer).
 
-    python 04_fsdp/export.py runs/fsdp/checkpoints/step-000100 runs/fsdp/step-100-hf
+    python tools/export.py runs/fsdp/checkpoints/step-000100 runs/fsdp/step-100-hf
 
 A checkpoint is sharded: each rank wrote its own pieces (torch.distributed.checkpoint). This
 reads all the pieces in one process (no torchrun, no GPU), puts the full tensors together and

@@ -17,14 +17,14 @@ import sys
 import time
 from pathlib import Path
 
-from common.steps import REPO, STEP_SCRIPTS
+from launch.steps import REPO, STEP_SCRIPTS
 
 PREEMPTION_SIGNAL = signal.SIGUSR2  # the kit's one warning signal (submitit's default)
 PREEMPTION_WARNING_S = 300  # how long before the time limit Slurm sends it (as in the templates)
 PR_SET_PDEATHSIG = 1
 
 
-STOPPED_BY_SIGTERM = 128 + signal.SIGTERM  # common/torchrun.py's exit status when torchrun got SIGTERM
+STOPPED_BY_SIGTERM = 128 + signal.SIGTERM  # launch/torchrun.py's exit status when torchrun got SIGTERM
 
 
 def progress(output_dir):
@@ -66,8 +66,8 @@ class StepLauncher:
         script_args = [arg.replace("%j", str(job_id)) for arg in self.training_args]
         if self.step == "singlegpu":
             return [sys.executable, STEP_SCRIPTS[self.step], *script_args]
-        # torchrun itself, with a user's mistake reported as one line (common/torchrun.py)
-        return [sys.executable, "-m", "common.torchrun", f"--nnodes={num_nodes}",
+        # torchrun itself, with a user's mistake reported as one line (launch/torchrun.py)
+        return [sys.executable, "-m", "launch.torchrun", f"--nnodes={num_nodes}",
                 f"--nproc-per-node={self.gpus_per_node}", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint={first_node}:{port}", f"--rdzv-id={job_id}-{restarts}",
                 STEP_SCRIPTS[self.step], *script_args]

@@ -1,14 +1,14 @@
 """How much GPU memory will a step-4/5 job need? A per-GPU estimate from formulas, before you queue.
 
-    python 04_fsdp/estimate_memory.py --gpus_per_node 4 --nodes 1 --max_seq_length 4096
-    python 04_fsdp/estimate_memory.py --table --gradient_checkpointing     # 1/2/4/8 GPUs x strategies
-    python 04_fsdp/estimate_memory.py --lora --gpus_per_node 1             # step 5: LoRA adapters
-    python 04_fsdp/estimate_memory.py --model demo/model --gpus_per_node 2 --max_seq_length 256
+    python tools/estimate_memory.py --gpus_per_node 4 --nodes 1 --max_seq_length 4096
+    python tools/estimate_memory.py --table --gradient_checkpointing     # 1/2/4/8 GPUs x strategies
+    python tools/estimate_memory.py --lora --gpus_per_node 1             # step 5: LoRA adapters
+    python tools/estimate_memory.py --model demo/model --gpus_per_node 2 --max_seq_length 256
 
 The model is described by its config only: a local directory with config.json, a config.json, or
 a Hugging Face id already in the local cache. Nothing is downloaded. For codellama/CodeLlama-7b-hf
 the kit's copy of its config (benchmark/codellama-7b-config.json) is used when the cache lacks it.
-Its twin, 04_fsdp/check_plan.py, measures the same job by running the training code on fake
+Its twin, tools/check_plan.py, measures the same job by running the training code on fake
 tensors; 04_fsdp/MEMORY.md compares the two.
 
 What is counted (per GPU, the way 04_fsdp/train.py and 05_lora/train.py train: fp32 model, FSDP2
@@ -454,7 +454,7 @@ def report(shape, source, args):
     load = loading_bytes(shape)
     lines.append(f"note: while loading, rank 0 alone holds the whole fp32 model in host RAM: {gib(load)} GiB "
                  "(about 1.5 x that while it reads a bf16 checkpoint); the other ranks hold their shards plus "
-                 "one tensor in flight (measured: 04_fsdp/measure_loading.py)")
+                 "one tensor in flight (measured: tools/measure_loading.py)")
     return "\n".join(lines)
 
 

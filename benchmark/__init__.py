@@ -1,0 +1,1 @@
+"""The benchmarks a user runs (README.md in this folder says which), importable by the tests."""
