@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from common.arguments import REPO, Parser
+from common.arguments import REPO, Parser, at_least
 from common.chess_eval import TrigramBaseline, game_prefixes, held_out_split, legal_moves, phase_of
 from common.errors import UserError, exit_on_user_error
 from common.notation import NOTATIONS, model_notation
@@ -172,14 +172,6 @@ def load_average():
     return "/".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def count(text):
-    """A non-negative whole number."""
-    value = int(text)
-    if value < 0:
-        raise ValueError
-    return value
-
-
 def parse_arguments(argv=None):
     parser = Parser(__doc__.split("\n\n")[0])
     parser.add("out", default=str(REPO / "runs" / "learn_chess"), help="model, data, run and results go here")
@@ -187,20 +179,20 @@ def parse_arguments(argv=None):
     parser.add("nproc", type=int, choices=[1, 2], default=2,
                help="2: 03_ddp/train.py on 2 ranks; 1: 02_singlegpu/train.py")
     parser.add("notation", choices=NOTATIONS, default="piece", help="how the games are written (common/notation.py)")
-    parser.add("layers", type=count, default=8, help="decoder layers of the model")
-    parser.add("hidden", type=count, default=128, help="hidden size of the model (4 heads)")
+    parser.add("layers", type=at_least(1), default=8, help="decoder layers of the model")
+    parser.add("hidden", type=at_least(8), default=128, help="hidden size of the model (4 heads)")
     parser.add("learn_games", default=str(LEARN_GAMES), help="games added to the sample's ('' for none)")
-    parser.add("train_games", type=count, default=0, help="train on the first N games only (0: all)")
-    parser.add("held_out", type=count, default=1000, help="openings held out for the evaluation")
-    parser.add("total_batch_size", type=count, default=16, help="rows per optimiser step")
-    parser.add("batch_size_per_device", type=count, default=1,
+    parser.add("train_games", type=at_least(0), default=0, help="train on the first N games only (0: all)")
+    parser.add("held_out", type=at_least(1), default=1000, help="openings held out for the evaluation")
+    parser.add("total_batch_size", type=at_least(1), default=16, help="rows per optimiser step")
+    parser.add("batch_size_per_device", type=at_least(1), default=1,
                help="rows per forward pass; a pass pads its rows to the longest game, so fewer rows waste less")
-    parser.add("max_seq_length", type=count, default=1024, help="tokens per row: whole games of up to 300 plies")
+    parser.add("max_seq_length", type=at_least(16), default=1024, help="tokens per row: whole games of up to 300 plies")
     parser.add("learning_rate", type=float, default=3e-3, help="peak learning rate (cosine decay to 10%%)")
-    parser.add("max_steps", type=count, default=800)
-    parser.add("eval_every", type=count, default=200)
-    parser.add("eval_games", type=count, default=200, help="held-out positions for the curve (during training)")
-    parser.add("seed", type=count, default=0, help="the model's initialisation, the data order and the positions")
+    parser.add("max_steps", type=at_least(1), default=800)
+    parser.add("eval_every", type=at_least(0), default=200)
+    parser.add("eval_games", type=at_least(1), default=200, help="held-out positions for the curve (during training)")
+    parser.add("seed", type=at_least(0), default=0, help="the model's initialisation, the data order and the positions")
     args = parser.parse_args(argv)
     if args.quick:
         vars(args).update(QUICK)

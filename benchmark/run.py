@@ -7,10 +7,14 @@ the built-in tiny default and on the same shape with a 20,480-token vocabulary.
 
 Each configuration runs the real script (02/03/04 train.py, benchmark/hf_trainer_fsdp.py) with
 python or torchrun, one thread per rank, into its own folder under --runs_dir, and is read back
-from its summary.json and metrics.jsonl. benchmark/state_bytes.py measures the per-rank bytes of
-parameters, gradients and optimizer state; benchmark/accumulation_bytes.py what a rank holds
-between micro-batches, with and without 04_fsdp's --accumulate_unsharded. Writes results.md,
-results.json, tokens_per_s.png and memory.png into --out, and checks the targets.
+from its summary.json and metrics.jsonl. Then, for each model and rank count, this script itself
+runs under torchrun and measures the bytes a rank holds (tensors only: parameters, gradients,
+AdamW state) for DDP, every FSDP strategy, LoRA and FULL_SHARD --accumulate_unsharded, set up
+with the step scripts' own functions: after the optimiser step, and between micro-batches.
+
+    torchrun --nproc-per-node 2 benchmark/run.py --model demo/model --out bytes.json   # that alone
+
+Writes results.md, results.json, tokens_per_s.png and memory.png into --out, and checks the targets.
 """
 import json
 import os
@@ -19,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import NamedTuple
@@ -28,8 +33,7 @@ from common.errors import UserError, exit_on_user_error
 from common.model import DEMO_DOWNLOAD
 
 SCRIPTS = {"single": "02_singlegpu/train.py", "ddp": "03_ddp/train.py", "fsdp": "04_fsdp/train.py",
-           "hf_trainer": "benchmark/hf_trainer_fsdp.py",
-           "levers": "benchmark/levers.py"}  # step 4 with a speed lever (levers.py runs these)
+           "hf_trainer": "benchmark/hf_trainer_fsdp.py"}
 MODELS = ["built-in", "wide vocab"]  # the demo model; its shape with WIDE_VOCAB tokens
 WIDE_VOCAB = 20_480
 ACCUMULATIONS = [1, 2]
@@ -40,6 +44,8 @@ FULL_STEPS, QUICK_STEPS = 20, 3
 ROUNDS = 2  # of the runs the targets compare (the full benchmark)
 QUICK_BLOCKS = [("built-in", 1), ("wide vocab", 2)]  # --quick: each model and each accumulation once
 UNSHARDED = "--accumulate_unsharded"
+MICRO_BATCHES = 2  # of the bytes measurement's optimiser steps
+SHARD_GROUP_SIZE = 2  # HYBRID_SHARD's ranks per shard group in the bytes measurement (4 ranks: 2 x 2, as the runs)
 
 
 class Run(NamedTuple):
@@ -182,19 +188,21 @@ def run_configuration(run, models, args, steps):
     return row
 
 
-def measure_bytes(helper, model, model_dir, ranks, args):
-    """Run a helper (state_bytes.py or accumulation_bytes.py) on `ranks` ranks:
-    {configuration: max over ranks of each part's bytes}."""
-    stem = f"{Path(helper).stem}_{model.replace(' ', '_')}_x{ranks}"
+def measure_bytes(model, model_dir, ranks, args):
+    """This script under torchrun on `ranks` ranks (measure_process): {"after_step": {configuration:
+    {part: max over ranks}}, "between_micro_batches": {...}}."""
+    stem = f"bytes_{model.replace(' ', '_')}_x{ranks}"
     out = Path(args.runs_dir) / f"{stem}.json"
-    print(f"== {model}: {helper} on {ranks} ranks", flush=True)
-    launch(helper, ranks, ["--model", model_dir, "--out", out], Path(args.runs_dir) / f"{stem}.log", args.timeout)
-    return {name: {part: max(values) for part, values in parts.items()}
-            for name, parts in json.loads(out.read_text())["bytes_per_rank"].items()}
+    print(f"== {model}: the bytes a rank holds, on {ranks} ranks", flush=True)
+    launch("benchmark/run.py", ranks, ["--model", model_dir, "--out", out], Path(args.runs_dir) / f"{stem}.log",
+           args.timeout)
+    measured = json.loads(out.read_text())
+    return {moment: {name: {part: max(values) for part, values in parts.items()}
+                     for name, parts in measured[moment].items()} for moment in ("after_step", "between_micro_batches")}
 
 
 def state_key(row):
-    """Which state_bytes.py measurement belongs to a run: DDP or its strategy (None: not measured)."""
+    """Which bytes measurement belongs to a run: DDP or its strategy (None: not measured)."""
     if "ddp" in row["script"]:
         return "DDP"
     if "fsdp/train" in row["script"]:
@@ -287,7 +295,7 @@ def markdown(results):
             for key in columns()) + " |")
 
     lines += ["", f"With gradient accumulation {max(ACCUMULATIONS)}, 2 ranks: both sides of `{UNSHARDED}` "
-              "(bytes a rank holds between micro-batches, from benchmark/accumulation_bytes.py: parameters, "
+              "(bytes a rank holds between micro-batches, measured by benchmark/run.py: parameters, "
               "including gathered copies kept, + gradients + AdamW state; DDP with no_sync for comparison):", "",
               "| model | configuration | tokens/s | ÷ DDP | peak RSS MiB/rank | held between micro-batches MiB/rank "
               "| of which parameters / gradients / AdamW |", "|---|---|---:|---:|---:|---:|---|"]
@@ -297,7 +305,7 @@ def markdown(results):
         ddp = by_key.get((model, accumulation, "ddp x2"))
         for name, measured in (("fsdp FULL_SHARD x2", "FULL_SHARD"),
                                (f"fsdp FULL_SHARD x2 {UNSHARDED}", f"FULL_SHARD {UNSHARDED}"),
-                               ("ddp x2", "DDP no_sync")):
+                               ("ddp x2", "DDP")):
             row, parts = by_key.get((model, accumulation, name)), held.get(measured)
             if row is None:
                 continue
@@ -391,10 +399,13 @@ def main():
     rows = run_compared(compared, models, args, steps, rounds)
     rows += [run_configuration(run, models, args, steps) for run in others]
     rank_counts = sorted({row["ranks"] for row in rows} - {1})
-    state_bytes = {model: {ranks: measure_bytes("benchmark/state_bytes.py", model, model_dir, ranks, args)
-                           for ranks in rank_counts} for model, model_dir in models.items()}
-    accumulation_bytes = {model: measure_bytes("benchmark/accumulation_bytes.py", model, model_dir, 2, args)
-                          for model, model_dir in models.items()}
+    measured = {model: {ranks: measure_bytes(model, model_dir, ranks, args) for ranks in rank_counts}
+                for model, model_dir in models.items()}
+    state_bytes = {model: {ranks: held["after_step"] for ranks, held in by_ranks.items()}
+                   for model, by_ranks in measured.items()}
+    accumulation_bytes = {model: {name: by_ranks[2]["between_micro_batches"][name]
+                                  for name in ("FULL_SHARD", f"FULL_SHARD {UNSHARDED}", "DDP")}
+                          for model, by_ranks in measured.items()}
     for row in rows:
         measured = state_bytes[row["model"]].get(row["ranks"], {}).get(state_key(row))
         if measured:
@@ -427,5 +438,104 @@ def main():
     print(f"wrote {out / 'results.md'}, results.json, tokens_per_s.png, memory.png in {results['total_wall_s']} s")
 
 
+# ---- under torchrun: the bytes a rank holds -------------------------------------------------------
+
+def held_bytes(model, optimizer):
+    """This rank's bytes of every distinct parameter tensor (the shards the optimizer holds and,
+    while FSDP keeps a unit gathered, the module's gathered copies), of their gradients and of
+    AdamW's state: a DTensor's local shard, a plain tensor whole."""
+    from torch.distributed.tensor import DTensor
+
+    def size(tensor):
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        return local.numel() * local.element_size()
+    optimized = [p for group in optimizer.param_groups for p in group["params"]]
+    params = {id(p): p for p in [*model.parameters(), *optimized]}.values()
+    parts = {"parameters": sum(size(p) for p in params),
+             "gradients": sum(size(p.grad) for p in params if p.grad is not None),
+             "optimizer": sum(size(value) for state in optimizer.state.values()
+                              for name, value in state.items() if name != "step")}
+    return {"total": sum(parts.values()), **parts}
+
+
+def two_steps(model, optimizer, configuration, ids):
+    """Two optimiser steps of MICRO_BATCHES micro-batches, run as the step scripts run them (DDP:
+    no_sync but on the last; --accumulate_unsharded: the gathered weights and whole gradients kept
+    until the last; otherwise FSDP's defaults). The bytes held after the first micro-batch's
+    backward of step 2 (AdamW's state exists by then), and after its optimiser step."""
+    held = {}
+    for step in (1, 2):
+        for i in range(MICRO_BATCHES):
+            last = i == MICRO_BATCHES - 1
+            if configuration.endswith(UNSHARDED):  # as 04_fsdp/train.py switches FULL_SHARD
+                model.set_requires_gradient_sync(last)
+                model.set_reshard_after_forward(last)
+                model.set_reshard_after_backward(last)
+            with model.no_sync() if configuration == "DDP" and not last else nullcontext():
+                model(input_ids=ids, labels=ids).loss.backward()
+            if (step, i) == (2, 0):
+                held["between_micro_batches"] = held_bytes(model, optimizer)
+        optimizer.step()
+        if step == 2:
+            held["after_step"] = held_bytes(model, optimizer)
+        optimizer.zero_grad(set_to_none=True)
+    return held
+
+
+def measure_process():
+    """One rank of the bytes measurement: DDP as 03_ddp wraps the model, each FSDP strategy and
+    FULL_SHARD --accumulate_unsharded with 04_fsdp/train.py's build_mesh and shard_model, LoRA with
+    05_lora/train.py's add_lora (its default rank and layers) sharded FULL_SHARD, all in fp32 as on
+    the CPU. Rank 0 writes {moment: {configuration: {part: [bytes of rank 0, rank 1, ...]}}}.
+    Tensors only: no allocator slack, no DDP gradient buckets."""
+    import gc
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+    from torch.nn.parallel import DistributedDataParallel
+
+    from common.model import load_model
+    from common.optim import make_optimizer
+    from launch.steps import load_step
+
+    parser = Parser("One rank of benchmark/run.py's bytes measurement (under torchrun)")
+    parser.add("model", default=str(DEMO_DIR / "model"))
+    parser.add("out", required=True, help="JSON file to write (rank 0)")
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    world_size = dist.get_world_size()
+    fsdp, lora = load_step("fsdp"), load_step("lora")
+    settings = lora.parse_arguments(["--output_dir", "unused"])  # the steps' default LoRA and AdamW settings
+    hybrid = world_size % SHARD_GROUP_SIZE == 0 and world_size > SHARD_GROUP_SIZE  # else no 2-D mesh (or FULL_SHARD)
+    strategies = [s for s in fsdp.STRATEGIES if hybrid or s != "HYBRID_SHARD"]
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    results = {"after_step": {}, "between_micro_batches": {}}
+    for configuration in ["DDP", *strategies, f"FULL_SHARD {UNSHARDED}", "LoRA"]:
+        torch.manual_seed(0)
+        model = load_model(args.model)
+        ids = torch.randint(4, model.config.vocab_size, (2, 16),
+                            generator=torch.Generator().manual_seed(dist.get_rank()))
+        if configuration == "DDP":
+            model = DistributedDataParallel(model)
+        else:
+            step = lora if configuration == "LoRA" else fsdp
+            if configuration == "LoRA":
+                model = lora.add_lora(model, settings)
+            strategy = configuration if configuration in strategies else "FULL_SHARD"
+            mesh = step.build_mesh(strategy, "cpu", world_size, SHARD_GROUP_SIZE)
+            step.shard_model(model, mesh, strategy, fp32, OffloadPolicy())
+        optimizer = make_optimizer(model, settings)  # after sharding, as the step scripts
+        for moment, held in two_steps(model, optimizer, configuration, ids).items():
+            per_rank = [None] * world_size
+            dist.all_gather_object(per_rank, held)
+            results[moment][configuration] = {part: [p[part] for p in per_rank] for part in held}
+        del model, optimizer
+        gc.collect()  # a sharded model sits in reference cycles: free it before the process group goes
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps({"world_size": world_size, **results}, indent=1) + "\n")
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    exit_on_user_error(main)
+    exit_on_user_error(measure_process if "RANK" in os.environ else main)  # RANK: started by torchrun

@@ -32,7 +32,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 
-from common.arguments import DEMO_DIR, REPO, Parser
+from common.arguments import DEMO_DIR, REPO, Parser, at_least
 from common.errors import UserError, exit_on_user_error
 import submit
 from benchmark import run as benchmark_run
@@ -313,20 +313,21 @@ def parse_arguments():
     parser = Parser(__doc__.split("\n\n")[0])
     parser.add("model", default=str(DEMO_DIR / "model"), help="model directory or downloaded Hugging Face id")
     parser.add("data_dir", default=str(DEMO_DIR / "data"), help="directory with the games (see 01_download)")
-    parser.add("steps", type=int, default=4, help="optimiser steps per run; the first is not counted")
-    parser.add("max_seq_length", type=int, default=128, help="tokens per row")
-    parser.add("max_batch_size", type=int,
+    parser.add("steps", type=at_least(2), default=4, help="optimiser steps per run; the first is not counted")
+    parser.add("max_seq_length", type=at_least(16), default=128, help="tokens per row")
+    parser.add("max_batch_size", type=at_least(1),
                help=f"largest batch per device (default: {MAX_BATCH['cpu']} on the CPU, {MAX_BATCH['gpu']} on GPUs)")
     parser.add("out", default=str(REPO / "runs" / "sweep"), help="the runs' folders, sweep.md/.json/.png")
-    parser.add("nproc", type=int, help=f"ranks of a local sweep (default: every GPU, or {CPU_RANKS} on the CPU)")
+    parser.add("nproc", type=at_least(1),
+               help=f"ranks of a local sweep (default: every GPU, or {CPU_RANKS} on the CPU)")
     parser.add("slurm", action="store_true", help="submit the runs as one Slurm job array instead")
-    parser.add("gpus", type=int, help="--slurm, required: GPUs per node")
-    parser.add("nodes", type=int, default=1, help="--slurm: nodes per run")
+    parser.add("gpus", type=at_least(1), help="--slurm, required: GPUs per node")
+    parser.add("nodes", type=at_least(1), default=1, help="--slurm: nodes per run")
     parser.add("partition", help="--slurm: partition (default: the cluster's default)")
     parser.add("account", help="--slurm: account to charge (default: yours)")
     parser.add("time", default="00:30:00", help="--slurm: time limit of each task, minutes, HH:MM:SS or D-HH:MM:SS")
-    parser.add("cpus_per_task", type=int, help="--slurm: CPUs per node (default: 8 per GPU)")
-    parser.add("mem_gb", type=int, help="--slurm: memory per node in GB (default: the cluster's default)")
+    parser.add("cpus_per_task", type=at_least(1), help="--slurm: CPUs per node (default: 8 per GPU)")
+    parser.add("mem_gb", type=at_least(1), help="--slurm: memory per node in GB (default: the cluster's default)")
     parser.add("dry_run", action="store_true", help="--slurm: print the array's sbatch script; submit nothing")
     parser.add("collect", metavar="DIR", help="write the table and plot of the sweep that ran into DIR (its --out)")
     args = parser.parse_args()
@@ -340,10 +341,6 @@ def parse_arguments():
         raise UserError("--nproc is for a local sweep: on Slurm, --gpus and --nodes set the ranks")
     if args.slurm and args.gpus is None:
         raise UserError("--slurm needs --gpus: the GPUs per node of each run")
-    for name in ("steps", "max_seq_length", "max_batch_size", "nproc", "gpus", "nodes"):
-        least = 2 if name == "steps" else 1  # the first step is not counted
-        if getattr(args, name) is not None and getattr(args, name) < least:
-            raise UserError(f"--{name} must be at least {least} (got {getattr(args, name)})")
     return args
 
 

@@ -145,8 +145,7 @@ def test_accumulate_unsharded_memory_is_measured_between_micro_batches(quick):
     out, results, _ = quick
     table = (out / "results.md").read_text()
     for model, held in results["accumulation_bytes_per_rank"].items():
-        default, unsharded, ddp = (held[name] for name in ("FULL_SHARD", "FULL_SHARD --accumulate_unsharded",
-                                                           "DDP no_sync"))
+        default, unsharded, ddp = (held[name] for name in ("FULL_SHARD", "FULL_SHARD --accumulate_unsharded", "DDP"))
         assert unsharded["parameters"] == 3 * default["parameters"]
         assert unsharded["gradients"] == 2 * default["gradients"] == ddp["gradients"]
         assert unsharded["optimizer"] == default["optimizer"] == ddp["optimizer"] / 2
