@@ -54,7 +54,10 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1  # compute nodes are offline: ever
 # Memory freed in one size is reused for another (less fragmentation: fewer out-of-memory errors with
 # free memory left, e.g. with FSDP's changing gather sizes); a value set before sbatch wins.
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
-export OMP_NUM_THREADS=$(( ${SLURM_CPUS_PER_TASK:-$GPUS_PER_NODE} / GPUS_PER_NODE ))  # the node's CPUs, split
+# The node's CPUs, split among its GPUs' processes; at least 1: OpenMP refuses 0 (2 CPUs, 4 GPUs)
+# with a warning, and every process then runs a thread on each of the node's cores.
+CPUS_PER_GPU=$(( ${SLURM_CPUS_PER_TASK:-$GPUS_PER_NODE} / GPUS_PER_NODE ))
+export OMP_NUM_THREADS=$(( CPUS_PER_GPU > 0 ? CPUS_PER_GPU : 1 ))
 export SRUN_CPUS_PER_TASK=${SLURM_CPUS_PER_TASK:-1}  # srun of Slurm 22.05-23.02 does not inherit it
 
 # shellcheck source=slurm/preemption.sh

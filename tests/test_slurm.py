@@ -4,6 +4,7 @@ completion on a 2-node cluster with 2 fake GPUs per node (tests/slurm/local_clus
 The fake GPUs are not usable by CUDA, so the templates run one CPU process per allocated GPU
 with gloo: the very scripts a user submits, with the same torchrun and rendezvous.
 """
+import json
 import math
 import re
 import sys
@@ -22,13 +23,16 @@ QUICK_TRAINING = ["--max_steps", "6", "--learning_rate", "3e-3", "--max_seq_leng
 # The templates' headers ask for a real GPU node; sbatch options override them, as at a site.
 SMALL_NODE = ["--cpus-per-task=2", "--mem=2G", "--time=10"]
 JOB_TIMEOUT_S = 240
+# What a user takes from final/: the whole model, or step 5's adapters in peft's format.
+FULL_MODEL = ("config.json",)
+FINAL_FILES = {"lora": ("adapter_config.json", "adapter_model.safetensors")}
 
 
 def job_output(cluster, name, job_id):
     return (cluster.jobs_dir / f"{name}-{job_id}.out").read_text(errors="replace")
 
 
-def check_training_run(output_dir, world_size, accumulation, batch_size_per_device):
+def check_training_run(output_dir, world_size, accumulation, batch_size_per_device, final_files=FULL_MODEL):
     metrics = read_metrics(output_dir)
     assert [m["step"] for m in metrics] == list(range(1, 7))
     for m in metrics:
@@ -37,7 +41,9 @@ def check_training_run(output_dir, world_size, accumulation, batch_size_per_devi
         assert m["batch_size_per_device"] == batch_size_per_device
         assert math.isfinite(m["loss"])
     assert metrics[-1]["loss"] < metrics[0]["loss"], [m["loss"] for m in metrics]
-    assert (output_dir / "final/config.json").is_file()
+    for name in final_files:
+        assert (output_dir / "final" / name).is_file(), name
+    assert json.loads((output_dir / "summary.json").read_text())["steps"] == 6
 
 
 @pytest.mark.parametrize("script, nodes, gpus_per_node, total_batch, per_device, accumulation", [
@@ -45,6 +51,7 @@ def check_training_run(output_dir, world_size, accumulation, batch_size_per_devi
     ("fsdp", 2, 2, 8, 2, 1),
     ("ddp", 2, 2, 16, 2, 2),
     ("singlegpu", 1, 1, 8, 2, 4),
+    ("lora", 1, 2, 8, 2, 2),
 ])
 def test_sbatch_template_trains(slurm_cluster, demo, script, nodes, gpus_per_node, total_batch, per_device,
                                 accumulation):
@@ -61,7 +68,10 @@ def test_sbatch_template_trains(slurm_cluster, demo, script, nodes, gpus_per_nod
         assert f"× {accumulation} gradient accumulation steps" in output
         if nodes * gpus_per_node > 1:
             assert f"rendezvous node1:{20000 + int(job_id)} id {job_id}-0" in output
-        check_training_run(output_dir, nodes * gpus_per_node, accumulation, per_device)
+        if script in ("fsdp", "lora"):
+            assert "plan check: fits: " in output
+        check_training_run(output_dir, nodes * gpus_per_node, accumulation, per_device,
+                           FINAL_FILES.get(script, FULL_MODEL))
 
 
 @pytest.mark.parametrize("environment, message", [
