@@ -1,9 +1,9 @@
-"""Where checkpoints live and when one counts: the same rules for all three steps.
+"""When a checkpoint counts, and how it is saved and read: the same rules for all the steps.
 
 Each step saves in its natural form (02: one file; 03: rank 0 writes one file; 04: every rank
-writes its shards with torch.distributed.checkpoint), into OUTPUT_DIR/checkpoints/step-NNNNNN/.
-A checkpoint counts only once its COMPLETE marker exists, and the marker is written last: a job
-killed in the middle of a save leaves a folder without a marker, which resume ignores.
+writes its shards with torch.distributed.checkpoint), into its folder of the run directory
+(common/run_dir.py). A checkpoint counts only once its marker exists, and the marker is written
+last: a job killed in the middle of a save leaves a folder without a marker, which resume ignores.
 """
 import contextlib
 import errno
@@ -19,28 +19,16 @@ import torch
 
 from common.errors import UserError
 
-MARKER = "COMPLETE"
 TRAIN_STATE = "train_state.pt"  # step, LR schedule, RNG: small, written by one rank
 
 
-def checkpoint_dir(output_dir, step):
-    return Path(output_dir) / "checkpoints" / f"step-{step:06d}"
-
-
-def complete_checkpoints(output_dir):
-    """Complete checkpoints, oldest first."""
-    root = Path(output_dir) / "checkpoints"
-    found = [path for path in root.glob("step-*") if (path / MARKER).is_file()] if root.is_dir() else []
-    return sorted(found, key=lambda path: int(path.name.removeprefix("step-")))
-
-
-def load_newest(output_dir, load):
+def load_newest(run_dir, load):
     """Resume: call `load(path)` on the newest complete checkpoint that can be read, and return
     that path (None when there is none: a fresh start). A damaged one (a file truncated or
     corrupted on disk after it was completed) is reported and the previous one used instead.
     Every rank must reach the same verdict: they all read the same files, and DCP raises on all
     ranks when one of them fails."""
-    checkpoints = complete_checkpoints(output_dir)
+    checkpoints = run_dir.complete_checkpoints()
     for path in reversed(checkpoints):
         try:
             load(path)
@@ -51,18 +39,18 @@ def load_newest(output_dir, load):
             print(f"warning: checkpoint {path} is unreadable ({reason}): falling back to the previous one",
                   file=sys.stderr, flush=True)
     if checkpoints:
-        raise UserError(f"none of the {len(checkpoints)} complete checkpoints in {output_dir}/checkpoints can "
+        raise UserError(f"none of the {len(checkpoints)} complete checkpoints in {run_dir.checkpoints_dir} can "
                         "be read by this run (see the warnings above): if the files are damaged, restore them from "
                         "a backup; they are left as they are. A new run can start in another --output_dir")
     return None
 
 
-def stop_if_not_finite(loss, step, output_dir):
+def stop_if_not_finite(loss, step, run_dir):
     """A NaN or infinite loss poisons the weights from this step on: stop before anything is saved."""
     if math.isfinite(loss):
         return
-    checkpoints = complete_checkpoints(output_dir)
-    last_good = f"the last good checkpoint is {checkpoints[-1]}" if checkpoints else "no checkpoint was saved yet"
+    latest = run_dir.latest_checkpoint()
+    last_good = f"the last good checkpoint is {latest}" if latest else "no checkpoint was saved yet"
     raise UserError(f"loss is {loss} at step {step}: stopped without saving this step ({last_good}). "
                     "Lower --learning_rate (or check the data and model files), then continue with --resume")
 
@@ -129,13 +117,13 @@ def readable_by_others(folder):
         path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
-def mark_complete(path, keep):
-    """Write the marker (atomically), then drop all but the newest `keep` complete checkpoints."""
-    partial = path / f"{MARKER}.partial"
-    partial.write_text("ok\n")
-    os.replace(partial, path / MARKER)
+def mark_complete(run_dir, step, keep):
+    """Mark the checkpoint of `step` complete, then drop all but the run's newest `keep` complete
+    checkpoints (only its own: common/run_dir.py)."""
+    path = run_dir.checkpoint(step)
+    run_dir.write_marker(path)
     readable_by_others(path)
-    for old in complete_checkpoints(path.parent.parent)[:-keep]:
+    for old in run_dir.complete_checkpoints()[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
 
 

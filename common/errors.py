@@ -13,12 +13,26 @@ def first_line(err):
     return text.splitlines()[0][:300] if text else type(err).__name__
 
 
-# What a Ctrl-C that stops the run at once should tell; the run's output directory sets it.
-interrupted_note = ["nothing was saved"]
-# Set by common.signals when the run is told to stop (SIGTERM, USR2, Ctrl-C).
-stop_signal = [None]
 # torchrun sets it for every rank it starts.
 LAUNCHED_BY_TORCHRUN = "TORCHELASTIC_RUN_ID" in os.environ
+
+# How a run that ends early explains itself: the parts that know tell it through the two functions below.
+_where_to_continue = None
+_stop_signal = None
+
+
+def explain_interrupts_with(where_to_continue):
+    """The run's output directory registers `where_to_continue()`, asked when a Ctrl-C stops the
+    run at once: it says what is on disk to continue from at that moment."""
+    global _where_to_continue
+    _where_to_continue = where_to_continue
+
+
+def stop_was_requested(signum):
+    """The stop flag (common/signals.py) says that a signal asked the run to stop: an error that
+    follows is the loss of another rank, and the exit status tells the signal."""
+    global _stop_signal
+    _stop_signal = signum
 
 
 def exit_on_user_error(main):
@@ -35,17 +49,18 @@ def exit_on_user_error(main):
         sys.exit(2)
     except KeyboardInterrupt:
         if speaks:
-            print(f"interrupted: {interrupted_note[0]}", file=sys.stderr, flush=True)
+            note = _where_to_continue() if _where_to_continue else "nothing was saved"
+            print(f"interrupted: {note}", file=sys.stderr, flush=True)
         sys.exit(130)
     except Exception as err:
-        if stop_signal[0] is None and not lost_another_rank(err):
+        if _stop_signal is None and not lost_another_rank(err):
             raise
         # Another rank ended first (an error, a kill), and this one learnt it from a collective that
         # failed, or from torchrun's SIGTERM: the rank that ended says why; no traceback here.
         first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
         print(f"stopped: rank {os.environ.get('RANK', 0)} lost another rank of the job ({first})",
               file=sys.stderr, flush=True)
-        sys.exit(128 + stop_signal[0] if stop_signal[0] else 1)
+        sys.exit(128 + _stop_signal if _stop_signal else 1)
     if LAUNCHED_BY_TORCHRUN:
         leave_after_success()
     return result

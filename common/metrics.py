@@ -3,7 +3,6 @@ import json
 import resource
 import sys
 import time
-from pathlib import Path
 
 import psutil
 import torch
@@ -15,13 +14,13 @@ class MetricsLog:
     """Where each optimiser step's figures go: one JSON line in metrics.jsonl, always, and the
     trackers asked for with --report_to. Only the rank that logs (rank 0) writes anything."""
 
-    def __init__(self, output_dir, enabled, report_to=(), params=None, resumed_at=0):
-        path = Path(output_dir) / "metrics.jsonl"
+    def __init__(self, run_dir, enabled, report_to=(), params=None, resumed_at=0):
+        path = run_dir.metrics
         if enabled and resumed_at and path.exists():  # keep the steps up to the checkpoint; later ones will be redone
             kept = [line for line in path.read_text().splitlines() if step_of(line) <= resumed_at]
             path.write_text("".join(line + "\n" for line in kept))
         self.file = path.open("a" if resumed_at else "w", encoding="utf-8") if enabled else None
-        self.tracker = Tracker(list(report_to), Path(output_dir), Path(output_dir).name, params or {}, enabled)
+        self.tracker = Tracker(list(report_to), run_dir.path, run_dir.path.name, params or {}, enabled)
         self.records = []
 
     def write(self, record):
@@ -137,7 +136,7 @@ def print_summary(title, figures, file=sys.stdout):
     print(f"{title}: " + "  ".join(f"{k}={v}" for k, v in figures.items()), file=file, flush=True)
 
 
-def write_summary(output_dir, name, records, untrained, peaks_per_rank):
+def write_summary(run_dir, name, records, untrained, peaks_per_rank):
     """summary.json: the figures the demo's side-by-side table shows. Throughput leaves out the
     first step (start-up costs: allocator warm-up, first collectives)."""
     if not records:  # resumed a run that had already finished
@@ -169,5 +168,5 @@ def write_summary(output_dir, name, records, untrained, peaks_per_rank):
     saves = [r["checkpoint_save_s"] for r in records if "checkpoint_save_s" in r]
     if saves:
         summary["checkpoint_save_s_max"] = round(max(saves), 3)
-    (Path(output_dir) / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    run_dir.summary.write_text(json.dumps(summary, indent=1) + "\n")
     return summary

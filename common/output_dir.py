@@ -1,9 +1,6 @@
 """The run's output directory: one run writes it at a time, --resume continues the same run, and
---overwrite deletes the old run only once every input has been checked.
-
-    OUTPUT_DIR/run.json       the settings that define the optimisation, recorded when the run starts
-    OUTPUT_DIR/.lock          held by rank 0 while the run is alive (names its host, pid, Slurm job)
-    OUTPUT_DIR/metrics.jsonl, summary.json, checkpoints/, final/, tracker folders
+--overwrite deletes the old run only once every input has been checked. What the directory holds
+is common/run_dir.py's.
 
 A requeued Slurm job (same job id, SLURM_RESTART_COUNT > 0) continues its run: --resume, and an
 --overwrite meant for its first start is ignored (it would delete the checkpoint to continue from).
@@ -15,13 +12,11 @@ import shutil
 from pathlib import Path
 
 from common import errors, lock
-from common.checkpoint import complete_checkpoints
 from common.errors import UserError
+from common.run_dir import RunDir, new_run_id
 
-RUN_FILE = "run.json"
-# What a run writes, and so what --overwrite may delete; nothing else in the folder is touched.
-RUN_OUTPUTS = ["metrics.jsonl", "summary.json", RUN_FILE, "checkpoints", "final", "tensorboard", "mlflow.db",
-               "wandb"]
+# The inputs a run reads from disk: --overwrite must not delete them with the old run.
+INPUTS = ("model", "data_dir", "prepared_dir")
 
 
 def requeued():
@@ -30,29 +25,35 @@ def requeued():
 
 class OutputDir:
     """Check the output directory and take it for this run. Rank 0 holds its lock; every rank
-    reaches the same verdicts, since they read the same files."""
+    reaches the same verdicts, since they read the same files. `resume` and `overwrite` say what
+    the run does: what was asked, except in a requeued job (see above)."""
 
     def __init__(self, args, is_main):
-        self.path = Path(args.output_dir)
+        self.run_dir = RunDir(args.output_dir)
+        self.path = self.run_dir.path
         self.is_main = is_main
-        if requeued() and not args.resume:
+        self.resume, self.overwrite = args.resume, args.overwrite
+        if requeued() and not self.resume:
             if is_main:
                 print(f"requeued job (restart {os.environ['SLURM_RESTART_COUNT']}): continuing the run in "
                       f"{self.path} from its newest checkpoint", flush=True)
-            args.resume, args.overwrite = True, False
-        self.resume, self.overwrite = args.resume, args.overwrite
+            self.resume, self.overwrite = True, False
         self._make_writable()
         self.lock = None
         if is_main:
-            self.lock = lock.try_lock(self.path / ".lock")
+            self.lock = lock.try_lock(self.run_dir.lock_file)
             if self.lock is None:
-                raise UserError(f"another run is writing to {self.path} ({lock.holder(self.path / '.lock')}): "
+                raise UserError(f"another run is writing to {self.path} ({lock.holder(self.run_dir.lock_file)}): "
                                 "wait for it to end, or choose another --output_dir")
-        holds_run = (self.path / "metrics.jsonl").exists() or (self.path / RUN_FILE).exists()
+        holds_run = self.run_dir.metrics.exists() or self.run_dir.run_file.exists()
         if holds_run and not (self.resume or self.overwrite):
             raise UserError(f"{self.path} already holds a run: pass --resume to continue it, --overwrite "
                             "to replace it, or choose another --output_dir")
-        errors.interrupted_note[0] = self.where_to_continue()
+        if self.overwrite:
+            self._refuse_to_delete_inputs(args)
+        else:
+            self._refuse_foreign_checkpoints()
+        errors.explain_interrupts_with(self.where_to_continue)
 
     def _make_writable(self):
         try:
@@ -67,27 +68,52 @@ class OutputDir:
             raise UserError(f"--output_dir {self.path} is not writable ({err.strerror}): choose another "
                             "directory") from None
 
+    def _refuse_to_delete_inputs(self, args):
+        """--overwrite deletes the old run's outputs: not when an input is among them (e.g. --model
+        OUTPUT_DIR/final, to train the finished model further)."""
+        for name in INPUTS:
+            given = getattr(args, name, None)
+            if given is None or not Path(given).exists():  # a hub id, or nothing on disk to lose
+                continue
+            where = Path(given).resolve()
+            for output in self.run_dir.outputs:
+                if output.resolve() in (where, *where.parents):
+                    raise UserError(f"--{name} {given} is inside {output}, which --overwrite deletes: copy it "
+                                    f"out of {self.path} first, or choose another --output_dir")
+
+    def _refuse_foreign_checkpoints(self):
+        """A checkpoint whose marker names another run (copied in) is never resumed from nor
+        deleted: the run refuses to start beside it, rather than to work around it."""
+        foreign = self.run_dir.foreign_checkpoints()
+        if foreign:
+            raise UserError(f"{foreign[-1]} is a checkpoint of another run (its marker does not name the run "
+                            f"recorded in {self.run_dir.run_file.name}): move it out of {self.run_dir.checkpoints_dir}"
+                            " (a run continues from its own checkpoints only), then start again")
+
     def where_to_continue(self):
-        checkpoints = complete_checkpoints(self.path)
-        if not checkpoints:
+        """What there is to continue from, read when the note is printed: a Ctrl-C that stops the run
+        at once may come long after the start, in the middle of a save."""
+        latest = self.run_dir.latest_checkpoint()
+        if latest is None:
             return f"no complete checkpoint in {self.path} yet"
-        return f"the last complete checkpoint is {checkpoints[-1]}; continue with --resume"
+        return f"the last complete checkpoint is {latest}; continue with --resume"
 
     def start(self, settings):
         """Called once every input has been checked, just before the run writes: on --resume the
         recorded settings must match; on --overwrite the old run's files go; then the settings
-        are recorded. Returns a note for the user, or None."""
-        recorded_path = self.path / RUN_FILE
-        recorded = json.loads(recorded_path.read_text()) if self.resume and recorded_path.is_file() else None
+        are recorded, with the run's id (kept on --resume: its checkpoints' markers name it).
+        Returns a note for the user, or None."""
+        run_file = self.run_dir.run_file
+        recorded = json.loads(run_file.read_text()) if self.resume and run_file.is_file() else None
         note = check_same_run(recorded, settings, self.path) if recorded else None
         if self.is_main:
+            run_id = self.run_dir.run_id() if recorded else new_run_id()
             if self.overwrite:
-                for name in RUN_OUTPUTS:
-                    target = self.path / name
+                for target in self.run_dir.outputs:
                     shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
-            partial = recorded_path.with_suffix(".partial")
-            partial.write_text(json.dumps(settings, indent=1) + "\n")
-            os.replace(partial, recorded_path)
+            partial = run_file.with_suffix(".partial")
+            partial.write_text(json.dumps({"run_id": run_id, **settings}, indent=1) + "\n")
+            os.replace(partial, run_file)
         return note
 
     def release(self):
@@ -117,23 +143,37 @@ def run_settings(args, checkpoints, config, train_rows, **extra):
             **extra}
 
 
+def model_location(model):
+    """A local model folder by where it is, however its path was written (relative or absolute);
+    a hub id as it is."""
+    return str(Path(model).resolve()) if Path(model).is_dir() else model
+
+
+def as_compared(settings):
+    """Settings as --resume compares them: without the run's id (it names the run, it sets nothing),
+    with a local model by where it is (a run started by a Slurm template with a relative --model
+    continues from submit.py, which passes absolute paths)."""
+    return {**{key: value for key, value in settings.items() if key != "run_id"},
+            "model": model_location(settings["model"])}
+
+
 def check_same_run(recorded, settings, path):
     """Refuse --resume with settings that would make it another run; allow a longer run."""
-    different = [key for key in sorted(set(recorded) | set(settings))
-                 if key not in MAY_GROW and recorded.get(key) != settings.get(key)]
+    then, now = as_compared(recorded), as_compared(settings)
+    different = [key for key in sorted(set(then) | set(now)) if key not in MAY_GROW and then.get(key) != now.get(key)]
     if "model_config" in different:
-        raise UserError(f"--model {settings['model']} is not the model the run in {path} started from (its "
-                        f"config.json differs from {recorded['model']}'s then): its checkpoints belong to that "
+        raise UserError(f"--model {now['model']} is not the model the run in {path} started from (its "
+                        f"config.json differs from {then['model']}'s then): its checkpoints belong to that "
                         "model. Pass that --model, or start a new run in another --output_dir")
     if different:
-        changes = "; ".join(f"{key}: {recorded.get(key)!r} then, {settings.get(key)!r} now" for key in different)
+        changes = "; ".join(f"{key}: {then.get(key)!r} then, {now.get(key)!r} now" for key in different)
         raise UserError(f"--resume would continue the run in {path} with other settings ({changes}): pass the "
                         "run's own settings (see run.json there), or start a new run in another --output_dir")
-    if settings["max_steps"] < recorded["max_steps"]:
-        raise UserError(f"--max_steps {settings['max_steps']} is less than the run's {recorded['max_steps']}: "
+    if now["max_steps"] < then["max_steps"]:
+        raise UserError(f"--max_steps {now['max_steps']} is less than the run's {then['max_steps']}: "
                         "a run can be made longer on --resume, not shorter")
-    if settings["max_steps"] > recorded["max_steps"]:
-        return (f"note: --max_steps {recorded['max_steps']} → {settings['max_steps']}: the learning rate's cosine "
-                f"decay is stretched to end at step {settings['max_steps']}, so from the resumed step on it is "
+    if now["max_steps"] > then["max_steps"]:
+        return (f"note: --max_steps {then['max_steps']} → {now['max_steps']}: the learning rate's cosine "
+                f"decay is stretched to end at step {now['max_steps']}, so from the resumed step on it is "
                 "higher than the shorter run's")
     return None

@@ -39,7 +39,8 @@ class StopFlag:
     def _handle(self, signum, frame):
         if signum == signal.SIGINT and self.received == signal.SIGINT:
             raise KeyboardInterrupt  # the second Ctrl-C: stop at once
-        self.received = errors.stop_signal[0] = signum
+        self.received = signum
+        errors.stop_was_requested(signum)
 
     def requested(self):
         """True on every rank if any rank got a signal (the signal may reach the ranks of

@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from common.run_dir import RunDir
 from launch.steps import REPO, STEP_SCRIPTS
 
 PREEMPTION_SIGNAL = signal.SIGUSR2  # the kit's one warning signal (submitit's default)
@@ -30,8 +31,8 @@ STOPPED_BY_SIGTERM = 128 + signal.SIGTERM  # launch/torchrun.py's exit status wh
 def progress(output_dir):
     """(when the run last finished, its newest complete checkpoint): a new checkpoint and no new
     finish mean that the training stopped early."""
-    summary, checkpoints = Path(output_dir) / "summary.json", sorted(Path(output_dir).glob("checkpoints/*/COMPLETE"))
-    return summary.stat().st_mtime_ns if summary.is_file() else None, checkpoints[-1] if checkpoints else None
+    run_dir = RunDir(output_dir)
+    return run_dir.finished_at(), run_dir.latest_checkpoint()
 
 
 def _prepare_child():

@@ -42,14 +42,15 @@ trap note_termination TERM
 # shellcheck disable=SC2016,SC2034  # "$@" is expanded by that inner bash; the templates use it
 USR2_IGNORED=(bash -c 'trap "" USR2 && exec "$@"' usr2-ignored)
 
-# The time summary.json was written, or "none": tells whether this attempt finished the run.
+# What the run directory holds, asked of the kit, which defines its layout (common/run_dir.py); the
+# templates have checked that `python` is the kit's before they source this file.
+# When the run last finished, or "none": tells whether this attempt finished the run.
 finished_at() {
-  stat --format=%Y "$OUTPUT_DIR/summary.json" 2>/dev/null || echo none
+  python -m common.run_dir finished-at "$OUTPUT_DIR"
 }
-# The newest complete checkpoint, or nothing: tells whether this attempt saved one.
+# The run's newest complete checkpoint, or nothing: tells whether this attempt saved one.
 newest_checkpoint() {
-  local markers=("$OUTPUT_DIR"/checkpoints/step-*/COMPLETE)  # sorted: the step numbers are zero-padded
-  if [[ -e ${markers[-1]} ]]; then echo "${markers[-1]}"; fi
+  python -m common.run_dir latest-checkpoint "$OUTPUT_DIR"
 }
 FINISHED_BEFORE=$(finished_at)
 CHECKPOINT_BEFORE=$(newest_checkpoint)

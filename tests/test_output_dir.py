@@ -1,8 +1,9 @@
 """The output directory belongs to one run: a second run on it is refused (and a dead run's lock
 does not count), --resume continues the same run only (settings that would make it another run
 are refused, a longer run is allowed and says what that does to the schedule), --overwrite
-deletes nothing before every input is checked, a requeued Slurm job continues its run, and
-the files a run writes follow the user's umask."""
+deletes nothing before every input is checked (nor the run's own inputs), a checkpoint of another
+run is never resumed from nor deleted, a requeued Slurm job continues its run, and the files a run
+writes follow the user's umask."""
 import json
 import os
 import signal
@@ -113,6 +114,129 @@ def test_overwrite_with_a_mistyped_model_deletes_nothing(demo, finished_run, tmp
     args[1] = tmp_path / "no-such-model"
     one_error_line(run_step("single", args, check=False))
     assert sorted(p.relative_to(run).as_posix() for p in run.rglob("*")) == before
+
+
+def snapshot(folder):
+    """Every file and its bytes, but the lock's (the refused run took the lock to look)."""
+    return {path.relative_to(folder).as_posix(): path.read_bytes() if path.is_file() else None
+            for path in sorted(folder.rglob("*")) if path.name != ".lock"}
+
+
+@pytest.mark.parametrize("input_name", ["model", "data_dir"])
+def test_overwrite_never_deletes_the_runs_own_input(demo, finished_run, tmp_path, input_name):
+    """--model R/final --output_dir R --overwrite would train on the run's final model, and delete it."""
+    import shutil
+    run = copy_of(finished_run, tmp_path)
+    inside = {"model": run / "final", "data_dir": run / "final" / "games"}[input_name]
+    if input_name == "data_dir":
+        shutil.copytree(demo / "data", inside)
+    before = snapshot(run)
+    args = with_changed(demo_args(demo, run), [f"--{input_name}", inside]) + RUN + ["--overwrite"]
+    line = one_error_line(run_step("single", args, check=False))
+    assert f"--{input_name} {inside} is inside {run / 'final'}, which --overwrite deletes" in line, line
+    assert snapshot(run) == before
+
+
+def test_a_checkpoint_of_another_run_is_neither_resumed_from_nor_pruned(demo, finished_run, tmp_path):
+    """A checkpoint copied in from another run, newer than the run's own: --keep_checkpoints 1 used
+    to keep it and delete the run's real ones, and --resume to load it."""
+    import shutil
+    run = copy_of(finished_run, tmp_path)
+    foreign = run / "checkpoints/step-000500"
+    shutil.copytree(run / "checkpoints/step-000002", foreign)
+    (foreign / "COMPLETE").write_text("0123456789abcdef0123456789abcdef\n")  # another run's id
+    before = snapshot(run)
+    args = demo_args(demo, run) + with_changed(RUN, ["--max_steps", 3]) + ["--keep_checkpoints", 1, "--resume"]
+    line = one_error_line(run_step("single", args, check=False))
+    assert f"{foreign} is a checkpoint of another run" in line and "move it out" in line, line
+    assert snapshot(run) == before
+    # Moved out, the run continues from its own newest checkpoint.
+    foreign.rename(tmp_path / "step-000500-of-another-run")
+    result = run_step("single", args)
+    assert f"resuming from {run / 'checkpoints/step-000002'}" in result.stdout + result.stderr
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000003"]
+
+
+def test_only_the_runs_own_checkpoints_count_and_are_pruned(tmp_path):
+    """A foreign marker that appears while the run goes on: never the newest, never deleted."""
+    from common.checkpoint import mark_complete
+    from common.run_dir import RunDir
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.path.mkdir()
+    run_dir.run_file.write_text(json.dumps({"run_id": "this-run"}))
+    for step in (2, 4, 500):
+        run_dir.checkpoint(step).mkdir(parents=True)
+    (run_dir.checkpoint(500) / "COMPLETE").write_text("another-run\n")
+    for step in (2, 4):
+        mark_complete(run_dir, step, keep=2)
+    assert run_dir.complete_checkpoints() == [run_dir.checkpoint(2), run_dir.checkpoint(4)]
+    assert run_dir.foreign_checkpoints() == [run_dir.checkpoint(500)]
+    run_dir.checkpoint(6).mkdir()
+    mark_complete(run_dir, 6, keep=1)
+    assert sorted(p.name for p in run_dir.checkpoints_dir.iterdir()) == ["step-000006", "step-000500"]
+    assert run_dir.latest_checkpoint() == run_dir.checkpoint(6)
+
+
+def test_the_shell_asks_the_run_dir_for_progress(finished_run, tmp_path):
+    """slurm/preemption.sh's questions: when did the run finish, and what is its newest checkpoint."""
+    def ask(command, output_dir):
+        return subprocess.run([sys.executable, "-m", "common.run_dir", command, str(output_dir)], cwd=REPO,
+                              capture_output=True, text=True, check=True).stdout.strip()
+    assert ask("latest-checkpoint", finished_run) == str(finished_run / "checkpoints/step-000002")
+    assert ask("finished-at", finished_run) == str((finished_run / "summary.json").stat().st_mtime_ns)
+    assert ask("latest-checkpoint", tmp_path / "nothing-yet") == ""
+    assert ask("finished-at", tmp_path / "nothing-yet") == "none"
+
+
+@pytest.mark.quick
+def test_an_empty_output_dir_is_refused(demo, tmp_path):
+    """--output_dir '' used to write the run into the current directory."""
+    result = subprocess.run([sys.executable, str(STEP_SCRIPTS["single"]),
+                             *map(str, with_changed(demo_args(demo, tmp_path), ["--output_dir", ""]))],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert "--output_dir is empty" in one_error_line(result)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_resume_takes_the_model_by_relative_or_absolute_path(demo, finished_run, tmp_path):
+    """A run started by a Slurm template (--model demo/model, relative to the kit) continues from
+    submit.py, which passes absolute paths."""
+    run = copy_of(finished_run, tmp_path)
+    settings = json.loads((run / "run.json").read_text())
+    settings["model"] = os.path.relpath(demo / "model", REPO)  # the steps run in the kit's folder
+    (run / "run.json").write_text(json.dumps(settings))
+    run_step("single", demo_args(demo, run) + with_changed(RUN, ["--max_steps", 3]) + ["--resume"])
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]
+
+
+def test_a_second_ctrl_c_names_the_checkpoints_saved_by_then(demo, tmp_path):
+    """The note of a Ctrl-C that stops the run at once is what is on disk when it comes: a second
+    Ctrl-C in the middle of a save names the checkpoint saved before, not the start's "none yet"."""
+    output_dir = tmp_path / "run"
+    script = tmp_path / "interrupted_run.py"
+    script.write_text(f"""
+import argparse
+from common.checkpoint import mark_complete
+from common.errors import exit_on_user_error
+from common.output_dir import OutputDir
+
+def main():
+    args = argparse.Namespace(output_dir={str(output_dir)!r}, resume=False, overwrite=False,
+                              model={str(demo / "model")!r}, data_dir={str(demo / "data")!r}, prepared_dir=None)
+    output = OutputDir(args, is_main=True)
+    output.start({{"model": args.model, "max_steps": 4}})
+    output.run_dir.checkpoint(2).mkdir(parents=True)
+    mark_complete(output.run_dir, 2, keep=2)  # a save of the run finished
+    output.run_dir.checkpoint(4).mkdir()  # the next one is under way...
+    raise KeyboardInterrupt  # ...when the second Ctrl-C comes
+
+exit_on_user_error(main)
+""")
+    result = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 130, result.stderr[-3000:]
+    assert result.stderr.splitlines()[-1] == (f"interrupted: the last complete checkpoint is "
+                                              f"{output_dir / 'checkpoints/step-000002'}; continue with --resume")
 
 
 def test_requeued_job_continues_its_run_and_ignores_overwrite(demo, finished_run, tmp_path):

@@ -19,15 +19,16 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from common.checkpoint import MARKER, load_sharded, readable_by_others
+from common.checkpoint import load_sharded, readable_by_others
+from common.run_dir import CHECKPOINT_FOLDER, MARKER, is_complete
 from common.safe_dcp import SafeReader
 from common.errors import UserError, exit_on_user_error, first_line
 
 
 def check_paths(checkpoint, out_dir):
     if not checkpoint.is_dir():
-        raise UserError(f"no checkpoint at {checkpoint}: pass a folder OUTPUT_DIR/checkpoints/step-NNNNNN")
-    if not (checkpoint / MARKER).is_file():
+        raise UserError(f"no checkpoint at {checkpoint}: pass a folder {CHECKPOINT_FOLDER}")
+    if not is_complete(checkpoint):
         raise UserError(f"{checkpoint} is not a complete checkpoint (no {MARKER} marker: its save was "
                         "interrupted): choose an older one")
     if (checkpoint / "adapter_config.json").is_file():
@@ -86,7 +87,7 @@ def export(checkpoint, out_dir):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", type=Path, help="a complete checkpoint: OUTPUT_DIR/checkpoints/step-NNNNNN")
+    parser.add_argument("checkpoint", type=Path, help=f"a complete checkpoint: {CHECKPOINT_FOLDER}")
     parser.add_argument("out_dir", type=Path, help="new (or empty) folder for the Hugging Face model")
     args = parser.parse_args()
     check_paths(args.checkpoint, args.out_dir)
