@@ -71,6 +71,11 @@ def time_limit_minutes(text):
     if not match:
         raise UserError(f"--time {text!r} is not a Slurm time limit (minutes, HH:MM:SS or D-HH:MM:SS)")
     days, first, second, third = match.groups()
+    # Past the first field, each counts up to the next: hours to 23 after a day, minutes and seconds to 59.
+    limits = [(24 if days is not None else None, first), (60, second), (60, third)]
+    if any(field is not None and limit is not None and int(field) >= limit for limit, field in limits):
+        raise UserError(f"--time {text!r} is not a Slurm time limit: after D- the hours run 0-23, and minutes and "
+                        "seconds 0-59 (e.g. 1-12:30:00 for a day and a half)")
     if days is not None:  # D-HH[:MM[:SS]]
         seconds = int(days) * 86400 + int(first) * 3600 + int(second or 0) * 60 + int(third or 0)
     elif third is not None:  # HH:MM:SS
@@ -109,6 +114,10 @@ def check_request(args):
     for name in ("cpus_per_task", "mem_gb"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UserError(f"--{name} must be at least 1 (got {getattr(args, name)})")
+    gpu_memory_gib = getattr(args, "gpu_memory_gib", 80)  # benchmark/sweep.py's jobs have none
+    if not (math.isfinite(gpu_memory_gib) and gpu_memory_gib > 0):
+        raise UserError(f"--gpu_memory_gib must be a positive number of GiB, the memory of one GPU of the partition "
+                        f"(got {gpu_memory_gib:g}; an A100 or H100 has 80)")
 
 
 def absolute(path):

@@ -13,13 +13,17 @@ run) tokenizes them once. Running it again downloads nothing. The demo builds a 
 reads games in the piece notation (`P e2 e4`: common/notation.py) and writes the chess sample
 shipped with the repo (made by make_chess_sample.py) as OUT/data/{train,validation}.jsonl, one
 {"text": "e2e4 e7e5 ..."} per game: the data stays UCI, the notation is made when it is prepared.
+OUT/data/demo.json records what it wrote: run again, it replaces those files only, and refuses an
+OUT whose model/ or data/ holds anything else (your own model or games stay as they are).
 """
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import shlex
 import shutil
+import tempfile
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -260,6 +264,113 @@ def build_tiny_llama(tokenizer, seed, notation="piece", layers=8, hidden=128):
     return LlamaForCausalLM(config)
 
 
+# The demo's record of what it wrote, OUT/data/demo.json: {"files": {path under OUT: [sha256, ...]}}.
+# Only files it names (with that content), or the very bytes this run writes, are the demo's to replace.
+DEMO_RECORD, DEMO_WRITER = "data/demo.json", "01_download/download.py --demo"
+DEMO_RECORD_PARTIAL = "data/demo.partial"  # write_atomically's name for it while it is written
+
+
+def digest(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def demo_record(out):
+    """What an earlier --demo wrote under OUT, by its record: ({path: [sha256, ...]}, whether it was
+    interrupted while writing them); ({}, False) where there is no record of its own."""
+    try:
+        record = json.loads((out / DEMO_RECORD).read_text())
+        if record.get("written_by") == DEMO_WRITER and isinstance(record.get("files"), dict):
+            return record["files"], bool(record.get("being_written"))
+    except (OSError, ValueError, AttributeError):  # none, unreadable, or not the demo's
+        pass
+    return {}, False
+
+
+def files_under(out):
+    """What OUT/model and OUT/data hold, as paths under OUT: (plain files, anything else). A link,
+    even to the demo's own files, is never the demo's."""
+    files, others = [], []
+    for top in (out / "model", out / "data"):
+        if top.is_symlink() or (top.exists() and not top.is_dir()):
+            others.append(top.name)
+            continue
+        if not top.is_dir():
+            continue
+        for folder, folders, names in os.walk(top, onerror=raise_error):
+            for name in folders + names:
+                path = Path(folder) / name
+                where = path.relative_to(out).as_posix()
+                if path.is_symlink() or not (path.is_file() or path.is_dir()):
+                    others.append(where)
+                elif path.is_file():
+                    files.append(where)
+    return files, others
+
+
+def raise_error(err):
+    raise err
+
+
+def refuse_files_not_the_demos(out, new):
+    """Nothing in OUT/model or OUT/data that the demo did not write is replaced: its record names
+    it, or it holds the bytes this run would write anyway (a demo made before the record existed)."""
+    recorded, interrupted = demo_record(out)
+
+    def the_demos(name):
+        if name == DEMO_RECORD_PARTIAL:  # the record, half written
+            return True
+        if name == DEMO_RECORD:
+            return bool(recorded)
+        if name in recorded and interrupted:  # a write that was cut short: any content
+            return True
+        if name not in recorded and name not in new:  # a name the demo never wrote: not read at all
+            return False
+        content = digest(out / name)
+        return content in recorded.get(name, []) or content == new.get(name)
+
+    try:
+        files, others = files_under(out)
+        theirs = others + [name for name in files if not the_demos(name)]
+    except OSError as err:
+        raise UserError(f"cannot read {err.filename} ({err.strerror}): check the --out directory") from None
+    if theirs:
+        named = ", ".join(theirs[:3]) + (f" and {len(theirs) - 3} more" if len(theirs) > 3 else "")
+        raise UserError(f"{out} holds files that download.py --demo did not write ({named}): they stay; write the "
+                        "demo to another --out (e.g. --out demo), or move them away first")
+    return recorded
+
+
+def write_demo(staging, out, new, recorded):
+    """The staged files into OUT, each under a temporary name first. The record, written before and
+    after, says which files are the demo's, so an interrupted run leaves none that a later one
+    cannot tell from the user's."""
+    stale = [name for name in recorded if name not in new and name not in (DEMO_RECORD, DEMO_RECORD_PARTIAL)]
+    partial = {name: f"{name}.partial" for name in new}
+
+    def record(files, being_written):
+        write_atomically(out / DEMO_RECORD, [json.dumps({"written_by": DEMO_WRITER, "being_written": being_written,
+                                                         "files": files}, indent=1) + "\n"])
+
+    try:
+        for folder in ("model", "data"):
+            (out / folder).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"cannot create {err.filename} ({err.strerror}): --out must be a folder you may write in; "
+                        "choose another --out") from None
+    record({**{name: recorded[name] for name in stale}, **{name: [] for name in partial.values()},
+            **{name: sorted(set(recorded.get(name, [])) | {new[name]}) for name in new}}, being_written=True)
+    try:
+        for name in new:
+            shutil.copyfile(staging / name, out / partial[name])
+            os.replace(out / partial[name], out / name)
+        for name in stale:  # the demo's own, from an earlier version that wrote more
+            (out / name).unlink(missing_ok=True)
+    except OSError as err:
+        raise UserError(f"cannot write {err.filename or out} ({err.strerror}): check the --out directory and the free "
+                        "space") from None
+    record({name: [new[name]] for name in new}, being_written=False)
+
+
 def build_demo(args):
     out = Path(args.out)
     if (out / "data" / "download.json").is_file():  # checked before anything is built or written
@@ -267,10 +378,25 @@ def build_demo(args):
                         "to another --out (e.g. --out demo)")
     tokenizer = build_word_tokenizer()
     model = build_tiny_llama(tokenizer, args.seed)
-    model.save_pretrained(out / "model", safe_serialization=True)
-    tokenizer.save_pretrained(out / "model")
     games = games_from_parquet(SHIPPED_SAMPLE)
-    counts = write_splits(games, out / "data", args.validation_games)
+    # Built in a staging folder first: OUT is only written once it is sure nothing there is the user's.
+    try:
+        staging_dir = tempfile.TemporaryDirectory(prefix="kit-demo-")
+    except OSError as err:
+        raise UserError(f"cannot make a temporary folder ({err.strerror}): set TMPDIR to a writable one") from None
+    with staging_dir as staging:
+        staging = Path(staging)
+        try:
+            model.save_pretrained(staging / "model", safe_serialization=True)
+            tokenizer.save_pretrained(staging / "model")
+        except OSError as err:
+            raise UserError(f"cannot write the demo model to a temporary folder, {staging} ({err.strerror}): free "
+                            "some space there, or set TMPDIR to another folder") from None
+        counts = write_splits(games, staging / "data", args.validation_games)
+        new = {path.relative_to(staging).as_posix(): digest(path) for path in sorted(staging.rglob("*"))
+               if path.is_file()}
+        recorded = refuse_files_not_the_demos(out, new)
+        write_demo(staging, out, new, recorded)
     params = sum(p.numel() for p in model.parameters())
     print(f"demo model ({params / 1e6:.1f}M parameters, {len(tokenizer)} tokens): {out / 'model'}\n"
           f"demo data ({counts['train_games']} train / {counts['validation_games']} validation games): "

@@ -29,7 +29,7 @@ def load_tokenizer(name):
     """A local model folder, or a Hugging Face id already downloaded (see download.py)."""
     from transformers import AutoTokenizer
     try:
-        return AutoTokenizer.from_pretrained(name)
+        return AutoTokenizer.from_pretrained(name, trust_remote_code=False)  # never runs, nor asks to run, its code
     except (OSError, ValueError, TypeError, KeyError) as err:
         reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
         raise UserError(f"cannot load the tokenizer of {name} ({reason}): pass --model as a model folder or a "
@@ -54,10 +54,16 @@ def main():
     if args.max_seq_length < 16:  # as the training scripts
         raise UserError(f"--max_seq_length must be at least 16 tokens (got {args.max_seq_length})")
     tokenizer = load_tokenizer(args.model)
-    notation = training_notation(args, load_config(args.model))
+    notation = training_notation(args, load_config(args.model, max_seq_length=args.max_seq_length))
     for split in SPLITS:
         rows = prepared_rows(args.data_dir, split, tokenizer, args.max_seq_length, not args.no_packing,
                              cache_dir=args.prepared_dir, notation=notation)
+        if len(rows) == 0:  # training refuses it (no batch to take, no validation row): say so here, not in the job
+            games = f"{rows.meta['games']:,} game{'s' if rows.meta['games'] != 1 else ''}"
+            raise UserError(f"the {split} games in {args.data_dir} ({games}, "
+                            f"{rows.meta['tokens']:,} tokens) make no row of {args.max_seq_length} tokens, and "
+                            "training needs rows: add games, or pass a smaller --max_seq_length (or --no_packing) "
+                            "here and in training")
         print(f"{split}: {len(rows):,} rows of up to {args.max_seq_length} tokens in {rows.folder}", flush=True)
 
 

@@ -4,6 +4,7 @@ Weights load in fp32: mixed precision is applied per step (autocast in 02/03, FS
 04), never by casting the model. Code shipped inside a model folder runs only with
 --trust_remote_code. A missing or damaged file is one `error:` line that says what to do.
 """
+import contextlib
 from pathlib import Path
 
 import torch
@@ -26,17 +27,61 @@ def model_missing_message(name, err):
             "(compute nodes are offline: HF_HUB_OFFLINE=1 and the same HF_HOME)")
 
 
-def load_config(name, trust_remote_code=False, **kwargs):
+@contextlib.contextmanager
+def config_warnings_refused(name):
+    """Some config values transformers cannot use it only warns about, and goes on (a RoPE scaling
+    factor below 1: `rope_parameters`'s factor field must be ...): here they are refused, in one line,
+    instead of training a model that is not the one config.json describes. Its other warnings pass."""
+    import logging
+    logger = logging.getLogger("transformers.modeling_rope_utils")
+    shown_from, level = logger.getEffectiveLevel(), logger.level
+    refusals = []
+
+    def sort(record):
+        message = record.getMessage()
+        if " must " in message or message.startswith("Missing required keys"):  # a value it cannot use
+            refusals.append(message)
+            return False  # said in the error line, not before it
+        return record.levelno >= shown_from
+
+    logger.addFilter(sort)
+    logger.setLevel(min(logging.WARNING, shown_from))  # heard even where TRANSFORMERS_VERBOSITY=error
+    try:
+        yield
+    finally:
+        logger.removeFilter(sort)
+        logger.setLevel(level)
+    if refusals:
+        raise UserError(f"cannot build the model from its config.json in {name} ({refusals[0].replace('`', '')}): "
+                        "check the values in config.json, or re-run the download step")
+
+
+def check_max_seq_length(config, max_seq_length, name):
+    """Rows no longer than the positions the model has (max_position_embeddings in config.json)."""
+    positions = getattr(config, "max_position_embeddings", None)
+    if isinstance(positions, int) and max_seq_length > positions:
+        raise UserError(f"--max_seq_length {max_seq_length} is more than the {positions:,} positions of the model "
+                        f"{name} (max_position_embeddings in its config.json): use --max_seq_length {positions} or "
+                        "less")
+
+
+def load_config(name, trust_remote_code=False, max_seq_length=None, **kwargs):
+    """The model's config; refused if a value in it cannot work, or if rows of `max_seq_length`
+    tokens would not fit its positions."""
     from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
     try:
-        return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code, **kwargs)
+        with config_warnings_refused(name):
+            config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code, **kwargs)
     except StrictDataclassError as err:  # a value of the wrong type: transformers checks them as it reads
         why = first_line(err) + (f": {first_line(err.__cause__)}" if err.__cause__ else "")
         raise UserError(f"cannot build the model from its config.json in {name} ({why}): check the values in "
                         "config.json, or re-run the download step") from None
     except (OSError, ValueError, TypeError, KeyError) as err:
         raise UserError(model_missing_message(name, err)) from None
+    if max_seq_length is not None:
+        check_max_seq_length(config, max_seq_length, name)
+    return config
 
 
 def load_tokenizer(name, config, trust_remote_code=False):

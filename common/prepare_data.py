@@ -50,10 +50,25 @@ SPLITS = ("train", "validation")
 
 # ---- where the games are ------------------------------------------------------------------------
 
+def refuse_unreachable(path):
+    """A path that cannot be looked at (a symbolic link that loops, a folder it may not read) is one
+    line naming it; a missing one is not refused here."""
+    try:
+        os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    except OSError as err:
+        why = ("a symbolic link that leads back to itself" if err.errno == errno.ELOOP
+               else f"cannot be read: {err.strerror}")
+        raise UserError(f"{path} is {why}: pass --data_dir as the folder that holds the games") from None
+
+
 def source_files(data_dir, split):
     """("jsonl", [DATA_DIR/split.jsonl]) or ("parquet", [DATA_DIR/split/*.parquet, sorted])."""
     data_dir = Path(data_dir)
     jsonl, parquet_dir = data_dir / f"{split}.jsonl", data_dir / split
+    for path in (data_dir, jsonl, parquet_dir):
+        refuse_unreachable(path)
     parquet = sorted(parquet_dir.glob("*.parquet"))
     if jsonl.is_file() and parquet:
         raise UserError(f"both {jsonl} and {parquet_dir}/*.parquet exist: keep one of them, so it is clear "

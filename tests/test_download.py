@@ -402,3 +402,115 @@ def test_demo_builds_a_tiny_model_and_data_without_network(hub, tmp_path):
     for path in (out / "data/train.jsonl", out / "data/validation.jsonl"):
         rows = [json.loads(line) for line in path.read_text().splitlines()]
         assert all(list(row) == ["text"] and all(UCI.match(m) for m in row["text"].split()) for row in rows)
+
+
+# ---- issue 23: the demo writes only over its own files -------------------------------------------
+
+def run_demo(out, *args):
+    return subprocess.run([sys.executable, str(SCRIPT), "--demo", "--out", str(out), *map(str, args)],
+                          capture_output=True, text=True, timeout=300, env=clean_env(HF_HUB_OFFLINE="1"))
+
+
+def every_file(out):
+    """Every file and link under `out`, with its bytes (or where it points)."""
+    return {p.relative_to(out).as_posix(): (os.readlink(p) if p.is_symlink() else p.read_bytes())
+            for p in sorted(Path(out).rglob("*")) if p.is_file() or p.is_symlink()}
+
+
+@pytest.fixture(scope="module")
+def earlier_demo(tmp_path_factory):
+    """A demo made with --seed 1: download.py's own output, with its record (data/demo.json)."""
+    out = tmp_path_factory.mktemp("earlier-demo")
+    succeeded(run_demo(out, "--seed", 1))
+    return every_file(out)
+
+
+def users_model(out):
+    (out / "model").mkdir(parents=True)
+    (out / "model/config.json").write_text('{"model_type": "llama", "note": "my own model"}\n')
+    (out / "model/model.safetensors").write_bytes(b"my weights")
+
+
+def users_games(out):
+    (out / "data").mkdir(parents=True)
+    (out / "data/train.jsonl").write_text(json.dumps({"text": "e2e4 e7e5"}) + "\n")
+
+
+def users_model_beside_the_demo_data(out, earlier):
+    users_model(out)
+    (out / "data").mkdir()
+    for name in ("data/train.jsonl", "data/validation.jsonl", "data/demo.json"):  # the demo's own, as it wrote them
+        (out / name).write_bytes(earlier[name])
+
+
+def demo_games_edited(out, earlier):
+    for name, content in earlier.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_bytes(content)
+    with (out / "data/train.jsonl").open("a") as games:
+        games.write(json.dumps({"text": "d2d4 d7d5"}) + "\n")  # the user's game, added to the demo's
+
+
+def link_to_a_model(out, target):
+    users_model(target)
+    out.mkdir()
+    (out / "model").symlink_to(target / "model")
+
+
+@pytest.mark.parametrize("case", ["users-model", "users-games", "users-model-beside-demo-data",
+                                  "demo-games-edited", "link-to-a-model", "users-file-named-like-the-record"])
+def test_the_demo_never_replaces_files_it_did_not_write(tmp_path, earlier_demo, case):
+    """A folder holding the user's own model/ or data/ (or the demo's, changed since) is refused
+    in one line, before anything is written; download.py tells its own files by its record."""
+    out = tmp_path / "out"
+    if case == "users-model":
+        users_model(out)
+    elif case == "users-games":
+        users_games(out)
+    elif case == "users-model-beside-demo-data":
+        users_model_beside_the_demo_data(out, earlier_demo)
+    elif case == "demo-games-edited":
+        demo_games_edited(out, earlier_demo)
+    elif case == "link-to-a-model":
+        link_to_a_model(out, tmp_path / "elsewhere")
+    else:
+        users_games(out)
+        (out / "data/demo.json").write_text('{"my": "notes"}\n')
+    before, outside = every_file(out), every_file(tmp_path / "elsewhere") if case == "link-to-a-model" else None
+    line = one_error_line(run_demo(out))
+    assert line.startswith(f"error: {out} holds files that download.py --demo did not write (") and "--out" in line
+    assert every_file(out) == before  # nothing written, nothing replaced
+    if outside is not None:
+        assert every_file(tmp_path / "elsewhere") == outside
+
+
+def test_the_demo_replaces_its_own_earlier_output(tmp_path, earlier_demo):
+    """Its own files, by its record (another seed here), or a demo made before the record existed
+    (the very bytes this run writes): rewritten, and the record then names every file."""
+    out = tmp_path / "out"
+    for name, content in earlier_demo.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_bytes(content)
+    succeeded(run_demo(out))  # seed 0 over seed 1
+    fresh = every_file(out)
+    assert fresh["model/model.safetensors"] != earlier_demo["model/model.safetensors"]
+    record = json.loads(fresh["data/demo.json"])
+    assert not record["being_written"] and sorted(record["files"]) == sorted(set(fresh) - {"data/demo.json"})
+    (out / "data/demo.json").unlink()  # as a demo made before the record existed
+    succeeded(run_demo(out))
+    assert every_file(out) == fresh
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "out-is-a-file", "proc", "sys"])
+def test_the_demo_where_nothing_can_be_written(tmp_path, where):
+    """Root may write almost anywhere, so these are places root cannot write either: a path through
+    a regular file, and /proc and /sys."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a directory\n")
+    out = {"under-a-file": a_file / "demo", "out-is-a-file": a_file, "proc": Path("/proc/kit-test-demo"),
+           "sys": Path("/sys/kit-test-demo")}[where]
+    if where in ("proc", "sys") and not Path(f"/{where}/self" if where == "proc" else "/sys/kernel").exists():
+        pytest.skip(f"no /{where} here")
+    line = one_error_line(run_demo(out))
+    assert line.startswith("error: cannot create ") and "choose another --out" in line, line
+    assert a_file.read_text() == "not a directory\n" and (out == a_file or not out.exists())

@@ -86,3 +86,19 @@ def test_the_generator_leaves_out_the_games_of_another_file(tmp_path):
     rest = generate(20, tmp_path / "rest.parquet", "--unique", "--exclude", str(tmp_path / "first.parquet"))
     everything = generate(20, tmp_path / "all.parquet")
     assert everything[:12] == first and rest == everything[12:]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("option, value, least", [
+    ("--max_steps", -1, 1), ("--held_out", -5, 1), ("--train_games", -3, 0), ("--eval_every", -200, 0),
+    ("--eval_games", 0, 1), ("--seed", -1, 0), ("--layers", 0, 1), ("--hidden", 4, 8), ("--total_batch_size", -16, 1),
+    ("--batch_size_per_device", 0, 1), ("--max_seq_length", -1024, 16),
+])
+def test_counts_out_of_range_are_one_error_line(tmp_path, option, value, least):
+    """Issue 23: a negative count (or a zero where none can work) is refused as it is read: one
+    line, before anything is built; no model or data folder appears."""
+    result = subprocess.run([sys.executable, str(REPO / "benchmark/learn_chess.py"), "--out", str(tmp_path / "out"),
+                             option, str(value)], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == f"error: {option} must be at least {least} (got {value}) (see --help)\n", result.stderr
+    assert not (tmp_path / "out").exists()

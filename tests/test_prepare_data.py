@@ -497,3 +497,34 @@ def test_the_prepare_command(demo, tmp_path, capsys):
     errors = [line for line in refused_run.stderr.splitlines() if line.startswith("error: ")]
     assert refused_run.returncode == 2 and len(errors) == 1 and "Traceback" not in refused_run.stderr
     assert f"{bad / 'train.jsonl'}:7: not valid JSON" in errors[0]
+
+
+@pytest.mark.parametrize("case", ["no-row", "longer-than-the-model", "data-dir-link-loop"])
+def test_the_prepare_command_refuses_what_training_would(demo, tmp_path, case):
+    """Issue 23: data that makes no row of --max_seq_length tokens (training takes none), rows longer
+    than the model's positions, a --data_dir that is a symbolic link to itself: one error line,
+    exit status 2, where prepare.py used to report "0 rows" and succeed, or fail with a traceback."""
+    data = data_copy(demo, tmp_path)
+    length = {"no-row": 1024, "longer-than-the-model": 2048}.get(case, 64)
+    if case == "no-row":  # one game of a few hundred tokens: less than one packed row of 1024
+        (data / "validation.jsonl").write_text((data / "validation.jsonl").read_text().splitlines()[0] + "\n")
+    if case == "data-dir-link-loop":
+        data = tmp_path / "loop"
+        data.symlink_to("loop")
+    done = subprocess.run([sys.executable, str(REPO / "01_download/prepare.py"), "--model", str(demo / "model"),
+                           "--data_dir", str(data), "--prepared_dir", str(tmp_path / "cache"), "--max_seq_length",
+                           str(length)], capture_output=True, text=True, timeout=300)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert done.returncode == 2 and len(errors) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "validation: 0 rows" not in done.stdout
+    line = re.sub(r"\(1 game, [\d,]+ tokens\)", "(1 game, N tokens)", errors[0])  # N: the tokenizer's count
+    assert line == {
+        "no-row": f"error: the validation games in {data} (1 game, N tokens) make no row of 1024 tokens, and "
+                  "training needs rows: add games, or pass a smaller --max_seq_length (or --no_packing) here and in "
+                  "training",
+        "longer-than-the-model": f"error: --max_seq_length 2048 is more than the 1,024 positions of the model "
+                                 f"{demo / 'model'} (max_position_embeddings in its config.json): use "
+                                 "--max_seq_length 1024 or less",
+        "data-dir-link-loop": f"error: {data} is a symbolic link that leads back to itself: pass --data_dir as the "
+                              "folder that holds the games",
+    }[case], errors[0]

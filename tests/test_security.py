@@ -75,6 +75,35 @@ def test_trust_remote_code_runs_the_folders_code(demo, tmp_path):
     assert marker.exists()
 
 
+@pytest.mark.parametrize("tool", ["estimate_memory", "check_plan"])
+@pytest.mark.parametrize("model_type", ["llama", "evil_llama"])
+def test_the_memory_tools_never_run_nor_offer_to_run_a_model_folders_code(demo, tmp_path, tool, model_type):
+    """Issue 23: tools/estimate_memory.py and tools/check_plan.py read the config only. Not told
+    whether to trust a model's code, transformers asks on the terminal (and waits); here stdin is a
+    terminal that already holds the answer "y": a question would be answered yes and the marker
+    would appear. A known architecture is read without the code; an unknown one is refused."""
+    model, marker = model_with_custom_code(demo, tmp_path, model_type)
+    terminal, tool_side = os.openpty()
+    os.write(terminal, b"y\n")
+    try:
+        result = subprocess.run([sys.executable, f"tools/{tool}.py", "--model", str(model), "--gpus_per_node", "1",
+                                 "--max_seq_length", "64"], stdin=tool_side, capture_output=True, text=True,
+                                timeout=300, cwd=REPO)
+    finally:
+        os.close(terminal)
+        os.close(tool_side)
+    assert not marker.exists()
+    assert "custom code" not in result.stdout + result.stderr  # transformers' question was never asked
+    if model_type == "llama":
+        assert result.returncode == 0 and "fits" in result.stdout, result.stderr[-3000:]
+    else:
+        errors = [line for line in result.stderr.splitlines() if line.strip()]
+        assert result.returncode == 2 and errors == [
+            f"error: --model {model}: its config.json is for a model type transformers does not know, built by the "
+            "model's own Python code (auto_map), which is not run here: the figures are for Llama-style models "
+            "(tools/check_plan.py --trust_remote_code runs such code, if you trust it)"], result.stderr[-3000:]
+
+
 # ---- pickles that would run code --------------------------------------------------------------
 
 class RunsCode:

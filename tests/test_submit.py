@@ -47,7 +47,7 @@ def test_accumulation_that_does_not_divide_is_refused(request_):
         gradient_accumulation_steps(*request_)
 
 
-@pytest.mark.parametrize("script", ["singlegpu", "ddp", "fsdp"])
+@pytest.mark.parametrize("script", ["singlegpu", "ddp", "fsdp", "lora"])
 def test_template_outside_slurm_says_to_use_sbatch(script):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     result = subprocess.run(["bash", f"slurm/{script}.sh"], cwd=REPO, env=env, capture_output=True, text=True)
@@ -142,6 +142,14 @@ def test_dry_run_quotes_paths_for_the_shell(no_slurm_env, tmp_path):
     (["--step", "tensor_parallel"], "argument --step: invalid choice: 'tensor_parallel'"),
     (["--gpus", "2"], "the following arguments are required: --step"),
     (["--step", "fsdp", "--time", "two hours"], "--time 'two hours' is not a Slurm time limit"),
+    # issue 23: a GPU of no finite, positive size; a time whose hours, minutes or seconds run over
+    (["--step", "fsdp", "--gpu_memory_gib", "inf"], "--gpu_memory_gib must be a positive number of GiB"),
+    (["--step", "fsdp", "--gpu_memory_gib", "nan"], "(got nan; an A100 or H100 has 80)"),
+    (["--step", "ddp", "--gpu_memory_gib", "-5"], "--gpu_memory_gib must be a positive number of GiB, the memory of "
+                                                  "one GPU of the partition (got -5; an A100 or H100 has 80)"),
+    (["--step", "fsdp", "--time", "1-99:99:99"],
+     "--time '1-99:99:99' is not a Slurm time limit: after D- the hours run 0-23, and minutes and seconds 0-59"),
+    (["--step", "fsdp", "--time", "02:75:00"], "--time '02:75:00' is not a Slurm time limit: after D- the hours"),
     (["--step", "fsdp", "--", "--total_batch_size", "4"], "use submit.py's --total_batch_size"),
     (["--step", "fsdp", "--", "--batch-size-per-device=4"], "use submit.py's --batch_size_per_device"),
     (["--step", "fsdp", "--", "--gradient_accumulation_steps", "4"], "unrecognized arguments"),
@@ -172,6 +180,14 @@ def test_submitting_without_slurm_says_where_to_run(no_slurm_env):
 def test_time_limits_in_slurm_formats():
     assert [submit.time_limit_minutes(t) for t in ["90", "5:30", "02:00:00", "1-0", "1-2:30", "0-00:01:01"]] == \
         [90, 6, 120, 1440, 1590, 2]
+    assert [submit.time_limit_minutes(t) for t in ["48:00:00", "1-23:59:59", "100:59"]] == [2880, 2880, 101]
+
+
+@pytest.mark.parametrize("text", ["1-99:99:99", "1-24", "1-0:60", "1-0:0:60", "2:60:00", "5:60", "0:00:75"])
+def test_time_fields_that_run_over_are_refused(text):
+    """Issue 23: after the first field each counts only up to the next one's unit."""
+    with pytest.raises(UserError, match=f"--time '{text}' is not a Slurm time limit: after D- the hours run 0-23"):
+        submit.time_limit_minutes(text)
 
 
 def test_shell_scripts_are_shellcheck_clean():

@@ -156,6 +156,16 @@ def test_slurm_dry_run_prints_one_array_script_without_slurm(demo, tmp_path, no_
     (["--collect", "/nonexistent/sweep"], "no sweep.json in /nonexistent/sweep"),
     (["--slurm", "--gpus", "2", "--time", "soon", "--dry-run"], "--time 'soon' is not a Slurm time limit"),
     (["--model", "/nonexistent/model"], "model /nonexistent/model is neither a directory nor in the Hugging Face"),
+    # issue 23: negative counts, refused as they are read
+    (["--steps", "-5"], "--steps must be at least 2 (got -5)"),
+    (["--max_batch_size", "-2"], "--max_batch_size must be at least 1 (got -2)"),
+    (["--nproc", "-1"], "--nproc must be at least 1 (got -1)"),
+    (["--max-seq-length", "-64"], "--max_seq_length must be at least 16 (got -64)"),
+    (["--slurm", "--gpus", "-4", "--dry-run"], "--gpus must be at least 1 (got -4)"),
+    (["--slurm", "--gpus", "2", "--nodes", "-1", "--dry-run"], "--nodes must be at least 1 (got -1)"),
+    (["--slurm", "--gpus", "2", "--cpus_per_task", "-8", "--dry-run"], "--cpus_per_task must be at least 1 (got -8)"),
+    (["--slurm", "--gpus", "2", "--mem_gb", "-1", "--dry-run"], "--mem_gb must be at least 1 (got -1)"),
+    (["--steps", "four"], "--steps must be a whole number (got 'four')"),
 ])
 def test_bad_options_are_one_error_line(arguments, message, no_slurm_env):
     result = run_sweep(*arguments, env=no_slurm_env)

@@ -105,6 +105,7 @@ import torch
 from common.arguments import Parser
 from common.batch import gradient_accumulation_steps
 from common.errors import UserError, exit_on_user_error, first_line
+from common.model import check_max_seq_length, config_warnings_refused
 
 REPO = Path(__file__).resolve().parents[1]
 GiB = 1024 ** 3
@@ -135,21 +136,36 @@ Param = namedtuple("Param", "shape trainable bytes")
 
 # ---- the model: config -> parameter shapes ------------------------------------------------------
 
-def load_config(model):
+def load_config(model, trust_remote_code=False):
     """The model's config and a line saying where it came from: `model` is a directory with
-    config.json, a config.json, or a Hugging Face id in the local cache. Never touches the network."""
+    config.json, a config.json, or a Hugging Face id in the local cache. Never touches the network.
+    A config that needs the model's own Python code (auto_map) is refused, unless trust_remote_code
+    (tools/check_plan.py's option): that code is never run, nor asked about on the terminal."""
     from transformers import AutoConfig
     path = Path(model)
+
+    def read(source, **kwargs):
+        try:
+            with config_warnings_refused(model):
+                return AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code, **kwargs)
+        except ValueError as err:
+            if "trust_remote_code" not in str(err):
+                raise
+            raise UserError(f"--model {model}: its config.json is for a model type transformers does not know, built "
+                            "by the model's own Python code (auto_map), which is not run here: the figures are for "
+                            "Llama-style models (tools/check_plan.py --trust_remote_code runs such code, if you "
+                            "trust it)") from None
+
     if path.is_file() or path.is_dir():
         file = path / "config.json" if path.is_dir() else path
         if not file.is_file():
             raise UserError(f"--model {model}: the directory has no config.json")
-        try:
-            return AutoConfig.from_pretrained(file), f"config {file}"
+        try:  # the model's own code is found in its folder, not beside a config.json alone
+            return read(path if trust_remote_code and path.is_dir() else file), f"config {file}"
         except (OSError, ValueError, TypeError, KeyError) as err:
             raise UserError(f"--model {model}: not a model config ({first_line(err)})") from None
     try:
-        return AutoConfig.from_pretrained(model, local_files_only=True), f"{model} (local Hugging Face cache)"
+        return read(model, local_files_only=True), f"{model} (local Hugging Face cache)"
     except (OSError, ValueError) as err:
         if model in BUILT_IN_CONFIGS:
             return (AutoConfig.from_pretrained(BUILT_IN_CONFIGS[model]),
@@ -195,14 +211,14 @@ def count(shapes):
     return sum(math.prod(shape) for shape in shapes)
 
 
-def model_shape(config, name):
+def model_shape(config, name, trust_remote_code=False):
     """Build the model on the meta device: real shapes, no memory, no weights read."""
     from transformers import AutoModelForCausalLM
     for needed in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads"):
         if getattr(config, needed, None) is None:
             raise UserError(f"{name}: the config has no {needed}; this estimate is for Llama-style decoders")
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         raise UserError(f"{name}: no model.model.layers, which 04_fsdp shards one by one")
@@ -534,7 +550,7 @@ def check_job_options(args):
         raise UserError("--lora_target_modules names no layer")
     if args.gpu_memory_gib is None:
         args.gpu_memory_gib = gpu_memory_default()
-    if not args.gpu_memory_gib > 0:
+    if not (math.isfinite(args.gpu_memory_gib) and args.gpu_memory_gib > 0):
         raise UserError(f"--gpu_memory_gib must be positive (got {args.gpu_memory_gib:g})")
 
 
@@ -557,6 +573,7 @@ def main(argv=None):
     args = parse_arguments(argv)
     config, source = load_config(args.model)
     shape = model_shape(config, args.model)
+    check_max_seq_length(config, args.max_seq_length, args.model)  # no verdict on rows the model cannot take
     print(table(shape, source, args) if args.table else report(shape, source, args))
 
 
