@@ -18,18 +18,20 @@ from tqdm import tqdm
 
 from common.arguments import check_arguments, training_arguments
 from common.batch import describe, gradient_accumulation_steps
-from common.checkpoint import (checkpoint_dir, load_file, load_newest, mark_complete, prepare, readable_by_others,
+from common.checkpoint import (load_file, load_newest, mark_complete, prepare, readable_by_others,
                                restore_rng, stop_if_not_finite, tensor_bytes, train_state)
 from common.chess_eval import StopEvaluation, game_prefixes, legal_move_sums, share_of_rank, validation_loss_sums
 from common.data import GlobalBatchSampler, count_loss_tokens, loss_sum, make_loader
 from common.device import pick_device
 from common.errors import exit_on_user_error
+from common.hang import Watchdog
 from common.metrics import (MetricsLog, StepTimer, flops_per_token, model_flops_utilization, peak_memory,
                             print_summary, run_params, write_summary)
 from common.model import enable_gradient_checkpointing, load_config, load_model, load_tokenizer
 from common.notation import training_notation
 from common.optim import make_optimizer, make_scheduler
 from common.output_dir import OutputDir, run_settings
+from common.profiling import StepProfiler
 from common.prepare_data import prepared_rows, read_games
 from common.process_group import init_process_group
 from common.signals import StopFlag, die_with_launcher
@@ -37,6 +39,32 @@ from common.signals import StopFlag, die_with_launcher
 
 def parse_arguments(argv=None):
     return training_arguments(__doc__.split("\n\n")[0]).parse_args(argv)
+
+
+def train_step(model, optimizer, micro_batches, args, world_size, device, autocast):
+    """One optimiser step on this rank's micro-batches; returns the step's tokens, summed loss and
+    gradient norm."""
+    # Every token of the global batch weighs the same: divide each micro-batch's summed
+    # loss by the token count of the whole global batch (all ranks), not by its own.
+    step_tokens = sum(count_loss_tokens(batch) for batch in micro_batches).to(device)
+    dist.all_reduce(step_tokens)
+
+    step_loss = torch.zeros((), device=device)
+    for i, batch in enumerate(micro_batches):
+        # Gradients are all-reduced only after the last micro-batch; before it, no_sync()
+        # lets them accumulate locally (no communication).
+        with model.no_sync() if i < len(micro_batches) - 1 else nullcontext():
+            with autocast:
+                loss = loss_sum(model, batch)
+            # DDP averages gradients over ranks; × world_size turns that average into the sum.
+            (loss * world_size / step_tokens).backward()
+        step_loss += loss.detach()
+    dist.all_reduce(step_loss)
+
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return step_tokens, step_loss, grad_norm
 
 
 def main():
@@ -51,12 +79,12 @@ def main():
     init_process_group(device, args.collective_timeout)
     is_main = rank == 0  # only rank 0 logs and saves
     output = OutputDir(args, is_main)  # one run at a time per output directory
-    output_dir = output.path
+    output_dir = output.run_dir  # what goes where: common/run_dir.py
     torch.manual_seed(args.seed)
 
     # Model: fp32 weights; on GPU the forward pass runs in bf16 under autocast
     # (bf16 has fp32's range, so no GradScaler is needed).
-    config = load_config(args.model, args.trust_remote_code)
+    config = load_config(args.model, args.trust_remote_code, max_seq_length=args.max_seq_length)
     tokenizer = load_tokenizer(args.model, config, args.trust_remote_code)
     notation = training_notation(args, config)  # how the games are written: common/notation.py
     model = load_model(args.model, args.trust_remote_code, config=config).to(device)
@@ -81,7 +109,7 @@ def main():
     # Each rank evaluates its share (the same count on every rank), then the sums are added up.
     eval_rows = share_of_rank(eval_rows, rank, world_size, "rows")
     prefixes = share_of_rank(prefixes, rank, world_size, "game prefixes")
-    sampler = GlobalBatchSampler(len(train_rows), args.batch_size_per_device, accumulation,
+    sampler = GlobalBatchSampler(len(train_rows), args.total_batch_size, args.batch_size_per_device,
                                  rank=rank, world_size=world_size, seed=args.seed, max_steps=args.max_steps)
 
     # Every input is checked; only now does the run write (and --overwrite delete the old run).
@@ -94,7 +122,7 @@ def main():
         if is_main:
             state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
                      "train": train_state(step, scheduler, {"untrained": untrained})}
-            path = checkpoint_dir(output_dir, step)
+            path = output_dir.checkpoint(step)
             with prepare(path, tensor_bytes(state)):  # refused at once if the disk is too full
                 torch.save(state, path / "state.pt")
         dist.barrier()  # nobody races ahead (or exits) while rank 0 is still writing
@@ -109,7 +137,7 @@ def main():
         start_step, untrained = state["train"]["step"], state["train"]["untrained"]
 
     start_step, untrained = 0, None
-    if args.resume and (resumed_from := load_newest(output_dir, load_checkpoint)) and is_main:
+    if output.resume and (resumed_from := load_newest(output_dir, load_checkpoint)) and is_main:
         tqdm.write(f"resuming from {resumed_from}" + (f"\n{note}" if note else ""))
     batches = iter(make_loader(train_rows, sampler.starting_at(start_step), tokenizer.pad_token_id, device))
 
@@ -136,35 +164,20 @@ def main():
     stop = StopFlag(device)
     metrics = MetricsLog(output_dir, enabled=is_main, report_to=args.report_to,
                          params=run_params(args, world_size, device), resumed_at=start_step)
+    watchdog = Watchdog(output_dir.hang, args.collective_timeout)  # a hang ends the job, and says where
+    profiler = StepProfiler(args.profile_steps, output_dir.profile, start_step, device)
     progress = tqdm(range(start_step, args.max_steps), desc="train", initial=start_step, total=args.max_steps,
                     mininterval=1.0, disable=not is_main)
     for step in progress:
+        watchdog.phase("training", step + 1)
         timer = StepTimer(device)
         waiting = time.perf_counter()
         micro_batches = [{k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
                          for _ in range(accumulation)]
         timer.data_ready(waiting)
-        # Every token of the global batch weighs the same: divide each micro-batch's summed
-        # loss by the token count of the whole global batch (all ranks), not by its own.
-        step_tokens = sum(count_loss_tokens(batch) for batch in micro_batches).to(device)
-        dist.all_reduce(step_tokens)
-
-        step_loss = torch.zeros((), device=device)
-        for i, batch in enumerate(micro_batches):
-            # Gradients are all-reduced only after the last micro-batch; before it, no_sync()
-            # lets them accumulate locally (no communication).
-            with model.no_sync() if i < len(micro_batches) - 1 else nullcontext():
-                with autocast:
-                    loss = loss_sum(model, batch)
-                # DDP averages gradients over ranks; × world_size turns that average into the sum.
-                (loss * world_size / step_tokens).backward()
-            step_loss += loss.detach()
-        dist.all_reduce(step_loss)
-
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        optimizer.step()
+        step_tokens, step_loss, grad_norm = train_step(model, optimizer, micro_batches, args, world_size, device,
+                                                       autocast)
         scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
 
         elapsed, data_wait = timer.finish()
         tokens, loss_total, grad_norm = torch.stack([step_tokens, step_loss, grad_norm]).tolist()  # one sync
@@ -177,6 +190,7 @@ def main():
                   **model_flops_utilization(tokens / elapsed / world_size, model_flops, device)}
         stopping = stop.requested()
         if not stopping and ((args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.max_steps):
+            watchdog.phase("evaluation", step + 1)
             try:
                 record.update(evaluate(stop.requested))
                 if is_main:
@@ -186,15 +200,18 @@ def main():
                 stopping = True
         save_now = (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.max_steps or stopping
         if save_now:
+            watchdog.phase("checkpoint", step + 1)
             saving = time.perf_counter()
             save_checkpoint(step + 1)
             record["checkpoint_save_s"] = time.perf_counter() - saving
         metrics.write(record)
+        profiler.step()
         if save_now and is_main:  # only now, with its step on record, does the checkpoint count
-            mark_complete(checkpoint_dir(output_dir, step + 1), args.keep_checkpoints)
+            mark_complete(output_dir, step + 1, args.keep_checkpoints)
         progress.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
         if stopping:
             metrics.close()
+            watchdog.done()
             if is_main:
                 tqdm.write(f"preempted: saved a checkpoint at step {step + 1} in {output_dir}; continue with "
                            f"--resume (stopped by {stop.reason()})")
@@ -202,19 +219,21 @@ def main():
             dist.destroy_process_group()
             return
     metrics.close()
+    watchdog.phase("final model", args.max_steps)
 
     # The final model in Hugging Face format: every rank has the same weights, rank 0 writes them.
     peaks = [None] * world_size
     dist.all_gather_object(peaks, peak_memory(device))
     if is_main:
-        model.module.save_pretrained(output_dir / "final", safe_serialization=True)
-        tokenizer.save_pretrained(output_dir / "final")
-        readable_by_others(output_dir / "final")
+        model.module.save_pretrained(output_dir.final, safe_serialization=True)
+        tokenizer.save_pretrained(output_dir.final)
+        readable_by_others(output_dir.final)
         summary = write_summary(output_dir, "03_ddp", metrics.records, untrained, peaks)
         print_summary("03_ddp", summary)
     # Free DDP's gradient reducer while the process group is alive: freed the other way round, at exit,
     # a gloo group can deadlock in its destructor (pytorch/pytorch#56297).
     model = None
+    watchdog.done()
     dist.destroy_process_group()
 
 

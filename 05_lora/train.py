@@ -25,19 +25,21 @@ from tqdm import tqdm
 
 from common.arguments import check_arguments, training_arguments
 from common.batch import describe, gradient_accumulation_steps
-from common.checkpoint import (TRAIN_STATE, checkpoint_dir, disk_full_is_one_line, load_file, load_newest,
+from common.checkpoint import (TRAIN_STATE, disk_full_is_one_line, load_file, load_newest,
                                load_sharded, mark_complete, prepare, readable_by_others, restore_rng,
                                stop_if_not_finite, tensor_bytes, train_state)
 from common.chess_eval import StopEvaluation, game_prefixes, legal_move_sums, share_of_rank, validation_loss_sums
 from common.data import GlobalBatchSampler, count_loss_tokens, loss_sum, make_loader
 from common.device import pick_device
 from common.errors import UserError, exit_on_user_error
+from common.hang import Watchdog
 from common.metrics import (MetricsLog, StepTimer, flops_per_token, model_flops_utilization, peak_memory,
                             print_summary, run_params, write_summary)
 from common.model import enable_gradient_checkpointing, load_config, load_model, load_tokenizer
 from common.notation import training_notation
 from common.optim import make_optimizer, make_scheduler
 from common.output_dir import OutputDir, run_settings
+from common.profiling import StepProfiler
 from common.prepare_data import prepared_rows, read_games
 from common.process_group import init_process_group
 from common.sharded_loading import load_sharded_model
@@ -158,6 +160,36 @@ def parse_arguments(argv=None):
     return args
 
 
+def train_step(model, optimizer, micro_batches, args, world_size, device, autocast):
+    """One optimiser step on this rank's micro-batches; returns the step's tokens, summed loss and
+    gradient norm. The plan check (tools/check_plan.py) runs this same function on fake tensors."""
+    # Every token of the global batch weighs the same: divide each micro-batch's summed
+    # loss by the token count of the whole global batch (all ranks), not by its own.
+    step_tokens = sum(count_loss_tokens(batch) for batch in micro_batches).to(device)
+    dist.all_reduce(step_tokens)
+
+    step_loss = torch.zeros((), device=device)
+    for i, batch in enumerate(micro_batches):
+        # FSDP reduce-scatters after each micro-batch, so gradients stay sharded; like DDP's no_sync,
+        # --accumulate_unsharded keeps full gradients (and gathered weights) and communicates once.
+        if args.accumulate_unsharded:
+            last = i == len(micro_batches) - 1
+            model.set_requires_gradient_sync(last)
+            model.set_reshard_after_backward(last)
+        with autocast:
+            loss = loss_sum(model, batch)
+        # FSDP averages gradients over ranks; × world_size turns that average into the sum.
+        (loss * world_size / step_tokens).backward()
+        step_loss += loss.detach()
+    dist.all_reduce(step_loss)
+
+    # The parameters are DTensor shards; the norm comes back as a DTensor of the full norm (on the CPU, offloaded).
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).full_tensor().to(device)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return step_tokens, step_loss, grad_norm
+
+
 def main():
     die_with_launcher()  # no orphaned ranks if torchrun is killed
     args = parse_arguments()
@@ -170,13 +202,13 @@ def main():
     init_process_group(device, args.collective_timeout, cpu_tensors=args.cpu_offload)
     is_main = rank == 0  # only rank 0 logs and saves
     output = OutputDir(args, is_main)  # one run at a time per output directory
-    output_dir = output.path
+    output_dir = output.run_dir  # what goes where: common/run_dir.py
     torch.manual_seed(args.seed)
 
     # Model: fp32 weights, sharded. FSDP itself runs the layers in bf16 and reduces the gradients
     # in fp32 (MixedPrecisionPolicy); the sharded weights and AdamW's state stay fp32. Never cast
     # the model to bf16 before sharding: AdamW would then keep bf16 state.
-    config = load_config(args.model, args.trust_remote_code)
+    config = load_config(args.model, args.trust_remote_code, max_seq_length=args.max_seq_length)
     tokenizer = load_tokenizer(args.model, config, args.trust_remote_code)
     notation = training_notation(args, config)  # how the games are written: common/notation.py
     precision = args.precision or ("bf16" if device.type == "cuda" else "fp32")
@@ -216,7 +248,7 @@ def main():
     # Each rank evaluates its share (the same count on every rank), then the sums are added up.
     eval_rows = share_of_rank(eval_rows, rank, world_size, "rows")
     prefixes = share_of_rank(prefixes, rank, world_size, "game prefixes")
-    sampler = GlobalBatchSampler(len(train_rows), args.batch_size_per_device, accumulation,
+    sampler = GlobalBatchSampler(len(train_rows), args.total_batch_size, args.batch_size_per_device,
                                  rank=rank, world_size=world_size, seed=args.seed, max_steps=args.max_steps)
 
     # Every input is checked; only now does the run write (and --overwrite delete the old run).
@@ -233,7 +265,7 @@ def main():
     state_options = StateDictOptions(ignore_frozen_params=True, strict=False)
 
     def save_checkpoint(step):
-        path = checkpoint_dir(output_dir, step)
+        path = output_dir.checkpoint(step)
         model_state, optimizer_state = get_state_dict(model, optimizer, options=state_options)
         needed = tensor_bytes([model_state, optimizer_state])  # each tensor once, however many ranks hold it
         if is_main:
@@ -261,7 +293,7 @@ def main():
         start_step, untrained = train["step"], train["untrained"]
 
     start_step, untrained = 0, None
-    if args.resume and (resumed_from := load_newest(output_dir, load_checkpoint)) and is_main:
+    if output.resume and (resumed_from := load_newest(output_dir, load_checkpoint)) and is_main:
         tqdm.write(f"resuming from {resumed_from}" + (f"\n{note}" if note else ""))
     batches = iter(make_loader(train_rows, sampler.starting_at(start_step), tokenizer.pad_token_id, device))
 
@@ -288,39 +320,20 @@ def main():
     stop = StopFlag(device)
     metrics = MetricsLog(output_dir, enabled=is_main, report_to=args.report_to,
                          params=run_params(args, world_size, device), resumed_at=start_step)
+    watchdog = Watchdog(output_dir.hang, args.collective_timeout)  # a hang ends the job, and says where
+    profiler = StepProfiler(args.profile_steps, output_dir.profile, start_step, device)
     progress = tqdm(range(start_step, args.max_steps), desc="train", initial=start_step, total=args.max_steps,
                     mininterval=1.0, disable=not is_main)
     for step in progress:
+        watchdog.phase("training", step + 1)
         timer = StepTimer(device)
         waiting = time.perf_counter()
         micro_batches = [{k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
                          for _ in range(accumulation)]
         timer.data_ready(waiting)
-        # Every token of the global batch weighs the same: divide each micro-batch's summed
-        # loss by the token count of the whole global batch (all ranks), not by its own.
-        step_tokens = sum(count_loss_tokens(batch) for batch in micro_batches).to(device)
-        dist.all_reduce(step_tokens)
-
-        step_loss = torch.zeros((), device=device)
-        for i, batch in enumerate(micro_batches):
-            # FSDP reduce-scatters after each micro-batch, so gradients stay sharded; like DDP's no_sync,
-            # --accumulate_unsharded keeps full gradients (and gathered weights) and communicates once.
-            if args.accumulate_unsharded:
-                last = i == len(micro_batches) - 1
-                model.set_requires_gradient_sync(last)
-                model.set_reshard_after_backward(last)
-            with autocast:
-                loss = loss_sum(model, batch)
-            # FSDP averages gradients over ranks; × world_size turns that average into the sum.
-            (loss * world_size / step_tokens).backward()
-            step_loss += loss.detach()
-        dist.all_reduce(step_loss)
-
-        # The parameters are DTensor shards; the norm comes back as a DTensor of the full norm (on the CPU, offloaded).
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).full_tensor().to(device)
-        optimizer.step()
+        step_tokens, step_loss, grad_norm = train_step(model, optimizer, micro_batches, args, world_size, device,
+                                                       autocast)
         scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
 
         elapsed, data_wait = timer.finish()
         tokens, loss_total, grad_norm = torch.stack([step_tokens, step_loss, grad_norm]).tolist()  # one sync
@@ -333,6 +346,7 @@ def main():
                   **model_flops_utilization(tokens / elapsed / world_size, model_flops, device)}
         stopping = stop.requested()
         if not stopping and ((args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.max_steps):
+            watchdog.phase("evaluation", step + 1)
             try:
                 record.update(evaluate(stop.requested))
                 if is_main:
@@ -342,15 +356,18 @@ def main():
                 stopping = True
         save_now = (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.max_steps or stopping
         if save_now:
+            watchdog.phase("checkpoint", step + 1)
             saving = time.perf_counter()
             save_checkpoint(step + 1)
             record["checkpoint_save_s"] = time.perf_counter() - saving
         metrics.write(record)
+        profiler.step()
         if save_now and is_main:  # only now, with its step on record, does the checkpoint count
-            mark_complete(checkpoint_dir(output_dir, step + 1), args.keep_checkpoints)
+            mark_complete(output_dir, step + 1, args.keep_checkpoints)
         progress.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
         if stopping:
             metrics.close()
+            watchdog.done()
             if is_main:
                 tqdm.write(f"preempted: saved a checkpoint at step {step + 1} in {output_dir}; continue with "
                            f"--resume (stopped by {stop.reason()})")
@@ -359,6 +376,7 @@ def main():
             dist.destroy_process_group()
             return
     metrics.close()
+    watchdog.phase("final model", args.max_steps)
 
     # The final adapters in peft's format (load them over --model with PeftModel.from_pretrained).
     # Each rank holds only shards: gather them on rank 0 (the other ranks get an empty dict).
@@ -367,9 +385,9 @@ def main():
     peaks = [None] * world_size
     dist.all_gather_object(peaks, peak_memory(device))
     if is_main:
-        model.save_pretrained(output_dir / "final", state_dict=full_state, safe_serialization=True)
-        tokenizer.save_pretrained(output_dir / "final")
-        readable_by_others(output_dir / "final")
+        model.save_pretrained(output_dir.final, state_dict=full_state, safe_serialization=True)
+        tokenizer.save_pretrained(output_dir.final)
+        readable_by_others(output_dir.final)
         summary = write_summary(output_dir, "05_lora", metrics.records, untrained, peaks)
         print_summary("05_lora", summary)
     # Free the sharded model while the process group is alive: freed the other way round, at exit,
@@ -377,6 +395,7 @@ def main():
     # sit in reference cycles, so dropping the name is not enough: the garbage collector frees them.
     model = None
     gc.collect()
+    watchdog.done()
     dist.destroy_process_group()
 
 

@@ -7,6 +7,7 @@ deleted here (see common/output_dir.py for the output directory).
 """
 import argparse
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -34,6 +35,10 @@ class Parser(argparse.ArgumentParser):
         self.add_argument(*spellings, dest=name, **kwargs)
 
     def error(self, message):
+        # A type's refusal (at_least): "argument --steps/--steps-x: must be ..." -> "--steps must be ..."
+        option, _, rest = message.removeprefix("argument ").partition(": ")
+        if message.startswith("argument --") and rest.startswith("must be"):
+            message = f"{option.split('/')[0]} {rest}"
         raise UserError(f"{message} (see --help)")
 
     def parse_args(self, args=None, namespace=None):
@@ -56,6 +61,32 @@ class Parser(argparse.ArgumentParser):
                                 "--batch_size_per_device, --model, --data_dir and --output_dir themselves; "
                                 "change them there")
             seen[action.dest] = name
+
+
+def at_least(least):
+    """An argparse type: a whole number, at least `least` (a count of steps, games, GPUs, ...).
+    A negative count is refused as the option is read, in one line: `--steps must be at least 2 (got -5)`."""
+    def whole_number(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number (got {text!r})") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be at least {least} (got {value})")
+        return value
+    whole_number.__name__ = f"whole number of at least {least}"
+    return whole_number
+
+
+def step_range(text):
+    """An argparse type: `A-B` (or `A`), the optimiser steps to profile, counted from 1."""
+    match = re.fullmatch(r"(\d+)(?:-(\d+))?", text.strip())
+    if not match:
+        raise argparse.ArgumentTypeError(f"must be a step or a range of steps such as 5-7 (got {text!r})")
+    first, last = int(match[1]), int(match[2] or match[1])
+    if not 1 <= first <= last:
+        raise argparse.ArgumentTypeError(f"must be steps from 1 on, the first not after the last (got {text!r})")
+    return first, last
 
 
 def training_arguments(description):
@@ -95,6 +126,8 @@ def training_arguments(description):
     parser.add("collective_timeout", type=int, default=COLLECTIVE_TIMEOUT_S,
                help="seconds a rank waits in a collective for the others before the job fails (steps 3-5): "
                     "the default covers rank 0 reading or writing 7B on a slow shared disk meanwhile")
+    parser.add("profile_steps", type=step_range, default=None,
+               help="A-B: a torch.profiler trace of optimiser steps A to B and a summary, in OUTPUT_DIR/profile/")
     parser.add("save_every", type=int, default=0, help="save a checkpoint every N steps (0: only at the end)")
     parser.add("keep_checkpoints", type=int, default=2, help="complete checkpoints to keep")
     parser.add("resume", action="store_true",
@@ -111,6 +144,8 @@ def training_arguments(description):
 
 def check_arguments(args):
     """Refuse settings that cannot work or make training meaningless, before any work starts."""
+    if not args.output_dir:  # '' would be the current directory
+        raise UserError("--output_dir is empty: name a directory for the run, e.g. --output_dir runs/my-run")
     for name in ("total_batch_size", "batch_size_per_device", "max_steps", "eval_rows", "eval_games",
                  "keep_checkpoints"):
         if getattr(args, name) < 1:

@@ -4,11 +4,15 @@ Under torchrun every rank joins one group (steps 3 to 5). On GPUs NCCL carries t
 and only GPU tensors; on the CPU gloo does. A collective waits at most `timeout_s` for the other
 ranks, then fails the job: long enough for the slowest legitimate wait (the other ranks wait in
 the first broadcast while rank 0 reads 7B from a shared file system, and at a barrier while rank 0
-writes a 7B checkpoint), short enough that a hung job does not hold its GPUs for hours.
+writes a 7B checkpoint), short enough that a hung job does not hold its GPUs for hours. In the
+training loop common/hang.py's watchdog reports a hang at `timeout_s`, with every rank's stacks; the
+backend's own timeout is a minute longer, so that the watchdog speaks first.
 """
 from datetime import timedelta
 
 import torch.distributed as dist
+
+WATCHDOG_FIRST_S = 60  # the backend's timeout is this much longer than the watchdog's
 
 
 def backend(device_type, cpu_tensors=False):
@@ -24,5 +28,6 @@ def init_process_group(device, timeout_s, cpu_tensors=False):
     """Join the job's process group. On a GPU, `device_id` binds this rank's GPU to it: NCCL
     connects at once (a broken network shows here, not at the first collective), and the
     sub-groups of a 2-D mesh are split from it."""
-    dist.init_process_group(backend=backend(device.type, cpu_tensors), timeout=timedelta(seconds=timeout_s),
+    timeout = timedelta(seconds=timeout_s + WATCHDOG_FIRST_S)
+    dist.init_process_group(backend=backend(device.type, cpu_tensors), timeout=timeout,
                             device_id=device if device.type == "cuda" else None)

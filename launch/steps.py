@@ -33,7 +33,7 @@ def check_training_arguments(step, training_args):
     from common.prepare_data import source_files
     args = load_step(step).parse_arguments(training_args)
     check_arguments(args)
-    load_config(args.model, args.trust_remote_code, local_files_only=True)
+    load_config(args.model, args.trust_remote_code, max_seq_length=args.max_seq_length, local_files_only=True)
     for split in ("train", "validation"):
         source_files(args.data_dir, split)
     return args

@@ -35,7 +35,10 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError  # noqa: E4
 from torch.distributed.run import main as torchrun  # noqa: E402
 
 USER_ERROR = 2  # the exit status of common.errors.exit_on_user_error
-HELD_BACK = ("failed (exitcode: %s)", "Sending process %s closing signal %s", "The node '")
+HANG = 3  # common.hang's: the rank has said where the job hung, in one line
+SAID_IN_ONE_LINE = (USER_ERROR, HANG)
+HELD_BACK = ("failed (exitcode: %s)", "Sending process %s closing signal %s", "The node '",
+             "Unable to shutdown process %s via %s")  # a frozen rank (common/hang.py)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
@@ -49,7 +52,7 @@ class HoldBack(logging.Filter):
     def filter(self, record):
         if isinstance(record.msg, str) and record.msg.startswith(HELD_BACK):
             self.held.append(record)
-            self.user_error |= record.msg.startswith("failed") and record.args[0] == USER_ERROR
+            self.user_error |= record.msg.startswith("failed") and record.args[0] in SAID_IN_ONE_LINE
             return False
         return True
 
@@ -78,8 +81,8 @@ def main(argv=None):
     except ChildFailedError as err:
         ignore_stop_signals()  # ending anyway: a late SIGTERM must not interrupt the report
         _, first = err.get_first_failure()
-        if first.exitcode == USER_ERROR:
-            sys.exit(USER_ERROR)
+        if first.exitcode in SAID_IN_ONE_LINE:
+            sys.exit(first.exitcode)
         held.replay()
         raise
     except SignalException as err:

@@ -17,7 +17,7 @@ import torch
 
 from common.errors import UserError
 from launch.steps import load_step
-from conftest import RANKS, REPO, RESUMABLE, assert_same_run, demo_args, read_metrics, run_step
+from conftest import RANKS, REPO, RESUMABLE, assert_same_run, demo_args, read_metrics, run_step, with_changed
 
 
 SPLIT = ["--total_batch_size", 8, "--batch_size_per_device", 2]  # 1 × 2 × 4 or 2 ranks × 2 × 2
@@ -130,6 +130,15 @@ def test_missing_data_names_the_download_command(demo, tmp_path, existing_run):
     assert "train.jsonl" in line and "01_download/download.py" in line
 
 
+def test_data_dir_that_is_a_symbolic_link_loop(demo, tmp_path, existing_run):
+    """Issue 23: `ln -s loop loop`, given as --data_dir: one line, not pathlib's RuntimeError."""
+    loop = tmp_path / "loop"
+    loop.symlink_to("loop")
+    line = refused(demo, existing_run, data_dir=loop)
+    assert line == f"error: {loop} is a symbolic link that leads back to itself: pass --data_dir as the folder " \
+                   "that holds the games", line
+
+
 # ---- model files -----------------------------------------------------------------------------
 
 def model_copy(demo, tmp_path):
@@ -168,7 +177,10 @@ def edit_config(model, **changes):
 @pytest.mark.parametrize("changes, words", [
     ({"num_hidden_layers": "two"}, "cannot build the model from its config.json"),
     ({"vocab_size": 50}, "has 85 tokens but the model only"),  # a tokenizer larger than the embedding
-], ids=["wrongly-typed-value", "tokenizer-larger-than-embedding"])
+    # issue 23: a value transformers only warns about, and would train with
+    ({"rope_scaling": {"type": "linear", "factor": -2.0}},
+     "(rope_parameters's factor field must be a float or int >= 1, got -2.0): check the values in config.json"),
+], ids=["wrongly-typed-value", "tokenizer-larger-than-embedding", "negative-rope-scaling-factor"])
 def test_model_config_that_cannot_work(demo, tmp_path, existing_run, changes, words):
     model = model_copy(demo, tmp_path)
     edit_config(model, **changes)
@@ -228,7 +240,17 @@ def test_more_ranks_than_data(demo, tmp_path):
                                                 "--batch_size_per_device", 1]
     args[3] = data
     line = launcher_error_line(run_step("ddp", args, nproc=4, check=False))
-    assert "the data has 2 rows but one global batch needs 4" in line and "4 ranks" in line
+    assert "the data has 2 rows but one global batch needs 4 (--total_batch_size)" in line
+
+
+def test_rows_longer_than_the_models_positions(demo, existing_run):
+    """Issue 23: --max_seq_length beyond max_position_embeddings (the demo model has 1,024)."""
+    before = snapshot(existing_run)
+    args = with_changed(demo_args(demo, existing_run) + ["--max_steps", 4, "--resume"], ["--max_seq_length", 2048])
+    line = one_error_line(run_step("single", args, check=False))
+    assert line == (f"error: --max_seq_length 2048 is more than the 1,024 positions of the model {demo / 'model'} "
+                    "(max_position_embeddings in its config.json): use --max_seq_length 1024 or less"), line
+    assert snapshot(existing_run) == before
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")

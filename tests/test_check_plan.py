@@ -12,7 +12,7 @@ import pytest
 from conftest import REPO
 from tools import check_plan as cp
 
-PLAN_CHECK = REPO / "04_fsdp" / "check_plan.py"
+PLAN_CHECK = REPO / "tools" / "check_plan.py"
 
 
 em = cp.estimate_memory
@@ -142,6 +142,32 @@ def test_report(small_config, capsys):
     assert lines[-1].startswith("plan check: fits: ")
 
 
+@pytest.mark.quick
+def test_rows_longer_than_the_models_positions_are_refused_not_a_fit(demo, small_config, capsys):
+    """Issue 23: --max_seq_length beyond max_position_embeddings (1,024 in both models here) is a job
+    that cannot start: refused in one line by the plan check, its twin and the training-arguments
+    form (slurm/fsdp.sh's), never a verdict."""
+    import torch.distributed as dist
+    options = plan_options(small_config, "--gpus_per_node", 2)
+    options.max_seq_length = 2048
+    with pytest.raises(cp.UserError, match=f"^--max_seq_length 2048 is more than the 1,024 positions of the model "
+                                           f"{small_config} "):
+        cp.plan(cp.training_arguments(options, 2, 1), 2, 1)
+    assert not dist.is_initialized()
+    job = ["--model", str(small_config), "--gpus_per_node", "2", "--max_seq_length", "2048"]
+    training_args = ["--output_dir", "unused", "--model", str(demo / "model"), "--data_dir", str(demo / "data"),
+                     "--max_seq_length", "2048"]
+    for command in (lambda: cp.main(job), lambda: em.main(job),
+                    lambda: cp.main(["--gpus_per_node", "2", "--", *training_args])):
+        with pytest.raises(SystemExit) as exit_info:
+            cp.exit_on_user_error(command)
+        assert exit_info.value.code == 2
+        said = capsys.readouterr()
+        lines = [line for line in said.err.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error: --max_seq_length 2048 is more than the 1,024 positions")
+        assert "fits" not in said.out
+
+
 # ---- where the check cannot run --------------------------------------------------------------------
 
 @pytest.mark.quick
@@ -174,14 +200,14 @@ def test_unknown_architecture_is_unavailable_not_refused(tmp_path, capsys, confi
 
 @pytest.fixture(scope="module")
 def real_state_bytes(demo, tmp_path_factory):
-    """benchmark/state_bytes.py: 2 gloo ranks on the CPU, one real optimiser step of the demo model."""
-    out = tmp_path_factory.mktemp("state") / "state_bytes.json"
+    """benchmark/run.py's bytes measurement: 2 gloo ranks on the CPU, real optimiser steps of the demo model."""
+    out = tmp_path_factory.mktemp("state") / "bytes.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               str(REPO / "benchmark/state_bytes.py"), "--model", str(demo / "model"), "--out", str(out)]
+               str(REPO / "benchmark/run.py"), "--model", str(demo / "model"), "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(out.read_text())["bytes_per_rank"]
+    return json.loads(out.read_text())["after_step"]
 
 
 @pytest.mark.parametrize("configuration", ["FULL_SHARD", "SHARD_GRAD_OP", "LoRA"])

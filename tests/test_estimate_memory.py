@@ -16,7 +16,7 @@ from tools import estimate_memory as em
 
 
 REPO = Path(__file__).resolve().parents[1]
-ESTIMATOR = REPO / "04_fsdp" / "estimate_memory.py"
+ESTIMATOR = REPO / "tools" / "estimate_memory.py"
 CODELLAMA_PARAMS = 6_738_546_688
 
 

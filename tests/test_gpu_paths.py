@@ -1,7 +1,7 @@
 """The code that only a GPU job runs, checked on the CPU where it can be (issue 26): the process
 group's backends and timeout, the device RNG state in checkpoints, the disk space a sharded save
-needs, and the allocator setting of the Slurm templates. Where CUDA itself would be needed, the
-test replaces the one CUDA call and says so."""
+needs, and the allocator and thread settings of the Slurm templates. Where CUDA itself would be
+needed, the test replaces the one CUDA call and says so."""
 import os
 import shutil
 import subprocess
@@ -64,7 +64,7 @@ def test_the_collective_timeout_reaches_the_process_group(tmp_path):
         print(dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout.total_seconds(), flush=True)
         dist.destroy_process_group()
     """, nproc=1)
-    assert out.split() == ["1234.0"]
+    assert out.split() == [f"{1234 + process_group.WATCHDOG_FIRST_S}.0"]  # common/hang.py's watchdog speaks first
 
 
 def test_on_a_gpu_the_group_is_bound_to_the_ranks_gpu(monkeypatch):
@@ -73,9 +73,10 @@ def test_on_a_gpu_the_group_is_bound_to_the_ranks_gpu(monkeypatch):
     monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: calls.append(kwargs))
     process_group.init_process_group(torch.device("cuda", 3), 3600, cpu_tensors=True)
     process_group.init_process_group(torch.device("cpu"), 60)
-    assert calls == [{"backend": "cuda:nccl,cpu:gloo", "timeout": timedelta(seconds=3600),
+    later = process_group.WATCHDOG_FIRST_S  # common/hang.py's watchdog speaks first
+    assert calls == [{"backend": "cuda:nccl,cpu:gloo", "timeout": timedelta(seconds=3600 + later),
                       "device_id": torch.device("cuda", 3)},
-                     {"backend": "gloo", "timeout": timedelta(seconds=60), "device_id": None}]
+                     {"backend": "gloo", "timeout": timedelta(seconds=60 + later), "device_id": None}]
 
 
 def test_collective_timeout_option():
@@ -191,30 +192,50 @@ def test_the_space_asked_for_is_what_a_sharded_save_writes(tmp_path):
 
 # ---- the Slurm templates' environment ---------------------------------------------------------
 
+TEMPLATES = ["singlegpu", "ddp", "fsdp", "lora"]
 FAKE_SLURM_COMMANDS = {
-    # Slurm's launcher: prints the allocator setting the training would start with.
-    "srun": 'echo "launched with PYTORCH_CUDA_ALLOC_CONF=$PYTORCH_CUDA_ALLOC_CONF"\n',
+    # Slurm's launcher: prints the settings the training would start with.
+    "srun": 'echo "launched with PYTORCH_CUDA_ALLOC_CONF=$PYTORCH_CUDA_ALLOC_CONF OMP_NUM_THREADS=$OMP_NUM_THREADS"\n',
     "scontrol": "echo node1\n",
 }
 
 
-@pytest.mark.parametrize("template", ["singlegpu", "ddp", "fsdp"])
-@pytest.mark.parametrize("preset", [None, "max_split_size_mb:256"])
-def test_the_templates_launch_with_expandable_segments(tmp_path, template, preset):
-    """The templates' own lines up to the launch, as a one-node, one-GPU job; srun and scontrol
-    (Slurm's, absent here) are replaced by stand-ins that print. A value set before sbatch wins."""
+def launch_line(tmp_path, template, **job):
+    """The templates' own lines up to the launch, as a one-node job (one GPU unless `job` says
+    otherwise); srun and scontrol (Slurm's, absent here) are replaced by stand-ins that print.
+    The line the stand-in srun printed."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, body in FAKE_SLURM_COMMANDS.items():
         (bin_dir / name).write_text("#!/bin/bash\n" + body)
         (bin_dir / name).chmod(0o755)
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("SLURM", "PYTORCH_CUDA"))}
-    env.update(PATH=f"{bin_dir}:{Path(sys.executable).parent}:{env['PATH']}", SLURM_JOB_ID="7", SLURM_NNODES="1",
-               SLURM_GPUS_ON_NODE="1", SLURM_SUBMIT_DIR=str(REPO), SLURM_JOB_NODELIST="node1", SLURM_JOB_NAME="t",
-               FORCE="1", OUTPUT_DIR=str(tmp_path / "run"))
-    if preset:
-        env["PYTORCH_CUDA_ALLOC_CONF"] = preset
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith(("SLURM", "PYTORCH_CUDA", "OMP_NUM_THREADS"))}
+    env.update({"PATH": f"{bin_dir}:{Path(sys.executable).parent}:{env['PATH']}", "SLURM_JOB_ID": "7",
+                "SLURM_NNODES": "1", "SLURM_GPUS_ON_NODE": "1", "SLURM_SUBMIT_DIR": str(REPO),
+                "SLURM_JOB_NODELIST": "node1", "SLURM_JOB_NAME": "t", "FORCE": "1", "OUTPUT_DIR": str(tmp_path / "run"),
+                **job})
     result = subprocess.run([shutil.which("bash"), f"slurm/{template}.sh"], cwd=REPO, env=env, capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    assert f"launched with PYTORCH_CUDA_ALLOC_CONF={preset or 'expandable_segments:True'}" in result.stdout
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("launched with ")]
+    return line
+
+
+@pytest.mark.parametrize("template", TEMPLATES)
+@pytest.mark.parametrize("preset", [None, "max_split_size_mb:256"])
+def test_the_templates_launch_with_expandable_segments(tmp_path, template, preset):
+    """A value set before sbatch wins."""
+    job = {"PYTORCH_CUDA_ALLOC_CONF": preset} if preset else {}
+    line = launch_line(tmp_path, template, **job)
+    assert f"PYTORCH_CUDA_ALLOC_CONF={preset or 'expandable_segments:True'} " in line
+
+
+@pytest.mark.parametrize("template, gpus, cpus, threads", [
+    ("singlegpu", 1, 8, 8),
+    *[(template, 4, 10, 2) for template in TEMPLATES[1:]],
+    *[(template, 4, 2, 1) for template in TEMPLATES[1:]],  # fewer CPUs than GPUs: 1 each, not 2 // 4 = 0
+])
+def test_the_templates_split_the_cpus_among_the_gpus(tmp_path, template, gpus, cpus, threads):
+    line = launch_line(tmp_path, template, SLURM_GPUS_ON_NODE=str(gpus), SLURM_CPUS_PER_TASK=str(cpus))
+    assert line.endswith(f" OMP_NUM_THREADS={threads}"), line

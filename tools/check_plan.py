@@ -25,8 +25,9 @@ What counts is the second step:
     over-count the first call of a few operations (AdamW's lazy state, gradient clipping); with
     real tensors step 1 never holds more than step 2, and step 2's figures are the same with
     fake and real tensors (checked on the demo model).
-  * step 2 runs the micro-batches as the job does, with --accumulate_unsharded's switches. Those
-    after the second repeat its memory exactly, so only the first, the second and the last run.
+  * step 2 runs the micro-batches with the step script's own train_step, as the job does (with
+    --accumulate_unsharded's switches). Those after the second repeat its memory exactly, so only
+    the first, the second and the last run.
   * AdamW is multi-tensor (foreach) as on a GPU: it holds one temporary copy of exp_avg_sq during
     the step. With --cpu_offload the step runs on the CPU, one tensor at a time, as there.
   * no attention mask: rows are packed, and Hugging Face, given a mask of ones, uses none.
@@ -47,8 +48,10 @@ import argparse
 import gc
 import itertools
 import json
+import math
 import sys
 import time
+from contextlib import nullcontext
 from datetime import date
 
 import torch
@@ -58,11 +61,10 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefT
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
-from common.arguments import Parser
+from common.arguments import Parser, check_arguments
 from common.batch import gradient_accumulation_steps
-from common.data import count_loss_tokens, loss_sum
 from common.errors import UserError, exit_on_user_error, first_line
-from common.model import build_model, enable_gradient_checkpointing
+from common.model import build_model, check_max_seq_length, enable_gradient_checkpointing
 from common.optim import make_optimizer
 from launch.steps import check_training_arguments, load_step
 from tools import estimate_memory
@@ -120,7 +122,7 @@ class PhaseTracker(FSDPMemTracker):
 
 
 def local_bytes(tensor):
-    """Bytes of this rank's piece of a parameter, gradient or AdamW tensor (as benchmark/state_bytes.py)."""
+    """Bytes of this rank's piece of a parameter, gradient or AdamW tensor (as benchmark/run.py's bytes measurement)."""
     local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
     return local.numel() * local.element_size()
 
@@ -134,7 +136,7 @@ def state_bytes(model, optimizer):
                              for name, value in state.items() if name != "step")}
 
 
-def build(args, step, mesh, config, fake_mode):
+def build(args, step, mesh, config, fake_mode, accumulation):
     """The model as the step script prepares it, sharded, with fake storage; and its AdamW.
     As common/sharded_loading.py does on every rank: build and prepare the model on the meta
     device, shard it, then give it storage (here fake storage: to_empty under FakeTensorMode)."""
@@ -157,6 +159,8 @@ def build(args, step, mesh, config, fake_mode):
     mp_policy = MixedPrecisionPolicy(param_dtype=module.PRECISIONS[precision], reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy(pin_memory=False) if args.cpu_offload else OffloadPolicy()  # no pinning without CUDA
     module.shard_model(model, mesh, args.sharding_strategy, mp_policy, offload)
+    if args.accumulate_unsharded and accumulation > 1:  # as train.py: gathered once per optimiser step
+        model.set_reshard_after_forward(False)
     with fake_mode:
         model.to_empty(device="cpu")
         # Multi-tensor AdamW, as PyTorch picks on a GPU; offloaded, the step runs on the CPU, one tensor at a time.
@@ -164,9 +168,35 @@ def build(args, step, mesh, config, fake_mode):
     return model, optimizer
 
 
-def run_steps(model, optimizer, tracker, args, world_size, accumulation, vocab_size):
-    """Two optimiser steps as train.py takes them; the tracker measures the second."""
+def run_steps(module, model, optimizer, tracker, args, world_size, accumulation, vocab_size):
+    """Two optimiser steps, each by the step script's own train_step; the tracker measures the
+    second. Hooks name the phase the memory belongs to: the root module's forward starts a
+    micro-batch's forward, the gradient reaching its logits starts that micro-batch's backward."""
     rows, length = args.batch_size_per_device, args.max_seq_length
+    measured, micro_batch_count = [False], [0]
+
+    def phase(name):
+        tracker.phase = name if measured[0] else None
+
+    def forward_starts(_module, _inputs):
+        micro_batch_count[0] += 1
+        tracker.reset_mod_stats()  # FSDPMemTracker's module statistics hold one forward at a time
+        phase(f"step 2, forward of {micro_batch_name()}")
+
+    def forward_ends(_module, _inputs, output):
+        name = micro_batch_name()
+        output.logits.register_hook(lambda grad: phase(f"step 2, backward of {name}"))
+
+    def micro_batch_name():
+        number = micro_batch_count[0]  # the third run is the job's last
+        return f"micro-batch {accumulation if number == 3 else number} of {accumulation}"
+
+    def optimizer_step_starts(*_):
+        phase("step 2, optimizer step")
+
+    def optimizer_step_ends(*_):
+        if measured[0]:  # before train_step's zero_grad: the gradients are still there
+            state.update(state_bytes(model, optimizer))
 
     def micro_batch():
         # Packed rows have no padding: given a mask of ones, Hugging Face runs causal attention with
@@ -175,30 +205,22 @@ def run_steps(model, optimizer, tracker, args, world_size, accumulation, vocab_s
         ids = torch.randint(0, vocab_size, (rows, length))
         return {"input_ids": ids, "labels": ids.clone(), "attention_mask": None}
 
-    for step, count in ((1, 1), (2, accumulation)):
+    state = {}
+    hooks = [model.register_forward_pre_hook(forward_starts, prepend=True),  # before FSDP's own
+             model.register_forward_hook(forward_ends),
+             optimizer.register_step_pre_hook(optimizer_step_starts),
+             optimizer.register_step_post_hook(optimizer_step_ends)]
+    # Step 1 takes one micro-batch, so that AdamW's state exists. Step 2 takes the job's micro-batches;
+    # those between the second and the last repeat the second's memory exactly, so it runs three at most
+    # (train_step tells the last by its position, as in the job).
+    for measured[0], count in ((False, 1), (True, min(accumulation, 3))):
+        micro_batch_count[0] = 0
         batches = [micro_batch() for _ in range(count)]  # train.py moves a step's micro-batches at once
         tracker.track_inputs((batches,))
-        step_tokens = sum(count_loss_tokens(batch) for batch in batches)
-        # The micro-batches between the second and the last repeat the second's memory exactly.
-        for i in sorted({0, 1, count - 1} & set(range(count))):
-            where = f"step {step}, {{}} micro-batch {i + 1} of {count}"
-            if args.accumulate_unsharded:  # train.py's switches: keep everything until the last micro-batch
-                keep = i < count - 1
-                model.set_requires_gradient_sync(not keep)
-                model.set_reshard_after_forward(not keep and args.sharding_strategy != "SHARD_GRAD_OP")
-                model.set_reshard_after_backward(not keep)
-            tracker.reset_mod_stats()  # FSDPMemTracker's module statistics hold one forward at a time
-            tracker.phase = where.format("forward of") if step == 2 else None
-            loss = loss_sum(model, batches[i])
-            tracker.phase = where.format("backward of") if step == 2 else None
-            (loss * world_size / step_tokens).backward()
-        tracker.phase = f"step {step}, optimizer step" if step == 2 else None
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).full_tensor()
-        optimizer.step()
-        if step == 2:
-            state = state_bytes(model, optimizer)
-        optimizer.zero_grad(set_to_none=True)
+        module.train_step(model, optimizer, batches, args, world_size, torch.device("cpu"), nullcontext())
     tracker.phase = None
+    for hook in hooks:
+        hook.remove()
     return state
 
 
@@ -218,7 +240,7 @@ def plan(args, gpus_per_node, nodes=1, step="fsdp", gpu_memory_gib=None):
     if dist.is_initialized():
         raise PlanUnavailable("a process group is already running in this process")
     accumulation = gradient_accumulation_steps(args.total_batch_size, args.batch_size_per_device, world_size)
-    config, source = estimate_memory.load_config(args.model)
+    config, source = estimate_memory.load_config(args.model, args.trust_remote_code)
     gpu_memory_gib = estimate_memory.gpu_memory_default() if gpu_memory_gib is None else gpu_memory_gib
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
     try:
@@ -226,12 +248,15 @@ def plan(args, gpus_per_node, nodes=1, step="fsdp", gpu_memory_gib=None):
         mesh = load_step(step).build_mesh(args.sharding_strategy, "cpu", world_size,
                                           args.shard_group_size or gpus_per_node)
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)  # to_empty reads the meta model's tensors
-        model, optimizer = build(args, step, mesh, config, fake_mode)
+        model, optimizer = build(args, step, mesh, config, fake_mode, accumulation)
+        # A model the check can build: rows longer than its positions are a job that cannot start, not a fit.
+        check_max_seq_length(config, args.max_seq_length, args.model)
         with fake_mode:
             tracker = PhaseTracker(model, optimizer, OFFLOADED if args.cpu_offload else ())
             try:
                 with tracker:
-                    state = run_steps(model, optimizer, tracker, args, world_size, accumulation, config.vocab_size)
+                    state = run_steps(load_step(step), model, optimizer, tracker, args, world_size, accumulation,
+                                      config.vocab_size)
             except Exception as err:  # an operation fake tensors cannot run: unchecked, not refused
                 raise PlanUnavailable(f"the model's code failed on fake tensors ({type(err).__name__}: "
                                       f"{first_line(err)})") from None
@@ -256,7 +281,7 @@ def plan(args, gpus_per_node, nodes=1, step="fsdp", gpu_memory_gib=None):
     # (none where the formulas do not know the model: they are written for Llama-style decoders).
     result.update(estimate=None, would_fit_with=[])
     try:
-        shape = estimate_memory.model_shape(config, args.model)
+        shape = estimate_memory.model_shape(config, args.model, args.trust_remote_code)
     except UserError:
         shape = None
     if shape is not None:
@@ -335,20 +360,24 @@ def summarise(phase_peaks, state, offloaded):
 COMPARE_RANKS = [1, 2, 4, 8, 64]
 
 
+# The options of a plan check that are the step script's own, with the same names and meaning.
+JOB_OPTIONS = ("model", "sharding_strategy", "shard_group_size", "precision", "max_seq_length",
+               "batch_size_per_device", "gradient_checkpointing", "cpu_offload", "accumulate_unsharded",
+               "trust_remote_code", "lora_rank", "lora_target_modules")
+
+
 def training_arguments(args, gpus_per_node, nodes, **changes):
-    """The command line's job as the step script itself parses it: its checks, its defaults for
-    everything the memory does not depend on (learning rate, LoRA alpha, ...)."""
+    """The job as the step script's own arguments: its defaults for everything the memory does not
+    depend on (learning rate, LoRA alpha, ...), the job's values for the rest, checked as it checks them."""
     job = {**vars(args), **changes}
-    argv = ["--output_dir", "(plan check: nothing is written)", "--model", job["model"],
-            "--sharding_strategy", job["sharding_strategy"], "--precision", job["precision"],
-            "--max_seq_length", job["max_seq_length"], "--batch_size_per_device", job["batch_size_per_device"],
-            "--total_batch_size", job["total_batch_size"] or job["batch_size_per_device"] * gpus_per_node * nodes]
-    argv += ["--shard_group_size", job["shard_group_size"]] if job["shard_group_size"] else []
-    argv += [f"--{flag}" for flag in ("gradient_checkpointing", "cpu_offload", "accumulate_unsharded",
-                                      "trust_remote_code") if job[flag]]
-    if job["lora"]:
-        argv += ["--lora_rank", job["lora_rank"], "--lora_target_modules", ",".join(job["lora_target_modules"])]
-    return load_step("lora" if job["lora"] else "fsdp").parse_arguments([str(a) for a in argv])
+    step = load_step("lora" if job["lora"] else "fsdp")
+    training = step.parse_arguments(["--output_dir", "(plan check: nothing is written)"])
+    for name in JOB_OPTIONS:
+        if hasattr(training, name):
+            setattr(training, name, job[name])
+    training.total_batch_size = job["total_batch_size"] or job["batch_size_per_device"] * gpus_per_node * nodes
+    check_arguments(training)
+    return training
 
 
 def size(n):
@@ -444,6 +473,8 @@ def check_training_job(argv):
     parser.add("gpu_memory_gib", type=float, default=None, help="memory of one GPU (default: this machine's, else 80)")
     parser.add("override", default="--force", help="how the refusal says to run the job anyway")
     args = parser.parse_args(own)
+    if args.gpu_memory_gib is not None and not (math.isfinite(args.gpu_memory_gib) and args.gpu_memory_gib > 0):
+        raise UserError(f"--gpu_memory_gib must be positive (got {args.gpu_memory_gib:g})")
     job = check_training_arguments(args.step, training_args)
     check_job(args.step, job, args.gpus_per_node, args.nodes, args.gpu_memory_gib, args.override)
     return 0

@@ -1,0 +1,90 @@
+"""--profile_steps A-B: a torch.profiler trace of optimiser steps A to B, per rank, and a summary.
+
+    OUTPUT_DIR/profile/rank0.pt.trace.json  Chrome trace format: open it in https://ui.perfetto.dev,
+                                            or `tensorboard --logdir OUTPUT_DIR/profile` (torch-tb-profiler)
+    OUTPUT_DIR/profile/summary-rank0.txt    one screen: where the steps' time went, top operations
+
+The summary splits the profiled steps' wall time (ProfilerStep#N) into communication (the
+collectives' operations: all-gather, reduce-scatter, all-reduce, broadcast), the optimiser step
+(AdamW's step) and the rest, compute. On a GPU the kernels run on their own streams: the trace
+shows whether communication overlaps compute (NCCL kernels beside compute kernels), which the
+host's time cannot say.
+"""
+import re
+from pathlib import Path
+
+import torch.distributed as dist
+from torch.profiler import ProfilerAction, ProfilerActivity, profile
+
+COMMUNICATION = re.compile(r"all_gather|allgather|reduce_scatter|all_reduce|allreduce|broadcast|nccl|gloo",
+                           re.IGNORECASE)
+OPTIMIZER = re.compile(r"^Optimizer\.step")
+TOP_OPERATIONS = 12
+
+
+class StepProfiler:
+    """Call .step() at the end of every optimiser step; does nothing without --profile_steps."""
+
+    def __init__(self, steps, folder, start_step, device):
+        """`steps`: --profile_steps (first, last) or None; `folder`: OUTPUT_DIR/profile; `start_step`:
+        the steps already taken (a resumed run profiles what is left of the range)."""
+        self.profiler = None
+        if steps is None or steps[1] <= start_step:
+            return
+        first, last = max(steps[0], start_step + 1), steps[1]
+        self.folder, self.rank = Path(folder), dist.get_rank() if dist.is_initialized() else 0
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+
+        def action(step):  # what to do during optimiser step `step` (counted from 1, as in metrics.jsonl)
+            if step == first - 1:
+                return ProfilerAction.WARMUP
+            if first <= step < last:
+                return ProfilerAction.RECORD
+            return ProfilerAction.RECORD_AND_SAVE if step == last else ProfilerAction.NONE
+
+        self.profiler = profile(activities=activities, schedule=action, on_trace_ready=self.write)
+        # The trace's ProfilerStep#N are the run's optimiser steps: the profiler counts from here.
+        self.profiler.step_num = start_step + 1
+        self.profiler.current_action = action(self.profiler.step_num)
+        self.profiler.start()
+        self.remaining = last - start_step
+
+    def step(self):
+        if self.profiler is None:
+            return
+        self.profiler.step()
+        self.remaining -= 1
+        if self.remaining == 0:
+            self.profiler.stop()
+            self.profiler = None
+
+    def write(self, profiler):
+        self.folder.mkdir(parents=True, exist_ok=True)
+        profiler.export_chrome_trace(str(self.folder / f"rank{self.rank}.pt.trace.json"))
+        (self.folder / f"summary-rank{self.rank}.txt").write_text(summary(profiler.key_averages(), self.rank))
+
+
+def summary(averages, rank):
+    """Where the profiled steps' time went, on this rank's host threads, and the top operations."""
+    steps = [event for event in averages if event.key.startswith("ProfilerStep")]
+    wall = sum(event.cpu_time_total for event in steps) or 1.0
+    # Top-level ranges only: a collective's or the optimiser's time includes the operations it calls.
+    communication = sum(event.cpu_time_total for event in averages
+                        if COMMUNICATION.search(event.key) and event.key.startswith(("c10d::", "gloo:", "nccl:")))
+    optimizer = sum(event.cpu_time_total for event in averages if OPTIMIZER.search(event.key))
+    compute = max(wall - communication - optimizer, 0.0)
+    on_gpu = any(event.device_time_total for event in averages)
+    lines = [f"rank {rank}: {len(steps) and sum(event.count for event in steps)} profiled step(s), "
+             f"{wall / 1e3:.1f} ms on the host",
+             f"  communication {communication / wall:6.1%}   (collectives, including waiting for other ranks)",
+             f"  optimizer     {optimizer / wall:6.1%}   (AdamW's step)",
+             f"  compute       {compute / wall:6.1%}   (forward, backward, the rest)", "",
+             f"top {TOP_OPERATIONS} operations by self time:"]
+    key = "self_device_time_total" if on_gpu else "self_cpu_time_total"
+    operations = sorted((event for event in averages if not event.key.startswith("ProfilerStep")),
+                        key=lambda event: getattr(event, key), reverse=True)[:TOP_OPERATIONS]
+    for event in operations:
+        lines.append(f"  {getattr(event, key) / 1e3:10.1f} ms  {event.count:6d} calls  {event.key[:70]}")
+    if on_gpu:
+        lines += ["", "GPU: look in the trace for NCCL kernels running beside the compute kernels (overlap)."]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,87 @@
+"""When a job hangs or crawls, the kit says where (issue 24).
+
+A hang: one rank of step 4 frozen with SIGSTOP. The job must end by itself within the collective
+timeout the user set, with one `error:` line that names the step, the phase and what each rank was
+doing, every live rank's stacks on disk, and the last complete checkpoint intact.
+A slow step: --profile_steps writes a trace per rank and a one-screen summary.
+"""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+
+from conftest import REPO, STEP_SCRIPTS, demo_args, run_step
+from test_faults import ranks_of
+
+TIMEOUT_S = 15
+
+
+def test_a_frozen_rank_ends_the_job_with_one_line_and_every_stack(demo, tmp_path):
+    out = tmp_path / "run"
+    args = demo_args(demo, out) + ["--max_steps", 30, "--save_every", 2, "--total_batch_size", 4,
+                                   "--batch_size_per_device", 2, "--collective_timeout", TIMEOUT_S]
+    command = [sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc-per-node=2",
+               str(STEP_SCRIPTS["fsdp"]), *map(str, args)]
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
+    ranks = ranks_of(process)
+    try:
+        metrics = out / "metrics.jsonl"
+        deadline = time.time() + 300
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):  # past a checkpoint
+            assert process.poll() is None and time.time() < deadline, "the run did not get going"
+            time.sleep(0.2)
+        ranks[1].send_signal(signal.SIGSTOP)
+        frozen_at = time.time()
+        _, stderr = process.communicate(timeout=TIMEOUT_S + 120)
+        ended_after = time.time() - frozen_at
+    finally:
+        for rank in ranks.values():
+            try:
+                rank.kill()
+            except psutil.NoSuchProcess:
+                pass
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 3, stderr[-3000:]
+    assert ended_after < TIMEOUT_S + 60
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, stderr[-3000:]
+    assert re.search(rf"no progress for {TIMEOUT_S} s in \w[\w ]* of step \d+", errors[0]), errors[0]
+    assert "rank 0 waiting in " in errors[0] and "rank 1 did not answer" in errors[0], errors[0]
+    assert "Traceback" not in stderr and "ChildFailedError" not in stderr, stderr[-3000:]
+    stacks = (out / "hang" / "stacks-rank0.txt").read_text()
+    assert "Thread" in stacks and "train.py" in stacks, stacks  # all threads, down to the training script
+    # The last complete checkpoint is intact: the run continues from it.
+    complete = sorted(out.glob("checkpoints/step-*/COMPLETE"))
+    assert complete, "no complete checkpoint"
+    step = int(complete[-1].parent.name.removeprefix("step-"))
+    resumed = run_step("fsdp", args + ["--resume"], nproc=2)
+    assert f"resuming from {complete[-1].parent}" in resumed.stdout + resumed.stderr
+    assert step < 30 and (out / "final" / "config.json").is_file()
+
+
+def test_profile_steps_writes_a_trace_and_a_summary_per_rank(demo, tmp_path):
+    out = tmp_path / "run"
+    run_step("fsdp", demo_args(demo, out) + ["--max_steps", 4, "--profile_steps", "2-3", "--total_batch_size", 4,
+                                             "--batch_size_per_device", 1], nproc=2)
+    for rank in (0, 1):
+        trace = json.loads((out / "profile" / f"rank{rank}.pt.trace.json").read_text())
+        names = {event.get("name", "") for event in trace["traceEvents"]}
+        assert {"ProfilerStep#2", "ProfilerStep#3"} <= names and "ProfilerStep#4" not in names
+        summary = (out / "profile" / f"summary-rank{rank}.txt").read_text()
+        shares = dict(re.findall(r"^  (communication|optimizer|compute) +([\d.]+)%", summary, re.MULTILINE))
+        assert set(shares) == {"communication", "optimizer", "compute"}, summary
+        assert 99 <= sum(map(float, shares.values())) <= 101 and float(shares["communication"]) > 0, summary
+        assert "top 12 operations by self time" in summary
+
+
+def test_profile_steps_is_checked_before_anything_runs(demo, tmp_path):
+    result = run_step("single", demo_args(demo, tmp_path / "run") + ["--profile_steps", "5-2"], check=False)
+    assert result.returncode == 2 and "--profile_steps" in result.stderr and not (tmp_path / "run").exists()
