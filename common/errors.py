@@ -52,6 +52,9 @@ def exit_on_user_error(main):
             note = _where_to_continue() if _where_to_continue else "nothing was saved"
             print(f"interrupted: {note}", file=sys.stderr, flush=True)
         sys.exit(130)
+    except BrokenPipeError:  # the reader of our output went away (`| head`): end quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error while Python flushes
+        sys.exit(141)  # 128 + SIGPIPE
     except Exception as err:
         if _stop_signal is None and not lost_another_rank(err):
             raise

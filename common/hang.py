@@ -12,8 +12,8 @@ the launcher (launch/torchrun.py) leaves torchrun's own report out. Checkpoints 
 checkpoint counts only once its marker is written, which a hung save never reaches.
 
 The process group's own timeout is set longer (common/process_group.py), so that this watchdog, and
-not the backend's error or NCCL's abort, reports the hang. On NCCL, PyTorch's Flight Recorder can
-add what each rank's collectives were (README.md, "When a job hangs").
+not the backend's error or NCCL's abort, reports the hang. On NCCL with TORCH_FR_BUFFER_SIZE set,
+each rank also writes its Flight Recorder dump there: what its last collectives were.
 """
 import faulthandler
 import json
@@ -24,6 +24,7 @@ import time
 import traceback
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
@@ -74,6 +75,7 @@ class Watchdog:
         with open(stacks, "w") as file:
             file.write(f"rank {self.rank}: {where}, {doing}, after {self.timeout_s} s\n\n")
             faulthandler.dump_traceback(file, all_threads=True)
+        write_flight_recorder(self.folder / f"nccl_trace_rank_{self.rank}")
         records = self.exchange({"where": where, "doing": doing})
         if self.rank == min(records):
             tqdm.write(f"error: {describe(records, self.world_size, self.timeout_s)}; every rank's stacks are in "
@@ -95,6 +97,19 @@ class Watchdog:
                     for key, value in zip(present, self.store.multi_get(present))}
         except Exception:  # the store is gone (its host ended): this rank speaks for itself
             return {self.rank: mine}
+
+
+def write_flight_recorder(path):
+    """NCCL's Flight Recorder (TORCH_FR_BUFFER_SIZE > 0): this rank's last collectives, for
+    `python -m torch.distributed.flight_recorder.fr_trace`. Only CUDA builds of PyTorch have it."""
+    dump = getattr(torch._C._distributed_c10d, "_dump_nccl_trace", None)
+    if dump is None or not int(os.environ.get("TORCH_FR_BUFFER_SIZE") or os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE")
+                               or 0):
+        return
+    try:
+        path.write_bytes(dump())
+    except Exception as err:  # the hang is reported anyway
+        print(f"note: no Flight Recorder dump ({err})", file=sys.stderr, flush=True)
 
 
 def waiting_in(frame):

@@ -350,3 +350,12 @@ def measure(model_dir, cases):
 
 if __name__ == "__main__":
     measure(sys.argv[1], sys.argv[2:])
+
+
+def test_output_cut_short_by_head_ends_quietly():
+    """`estimate_memory.py --table | head -3`: the reader goes away; no traceback, no 'lost another rank'."""
+    process = subprocess.Popen([sys.executable, str(ESTIMATOR), "--table", "--gradient_checkpointing"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    process.stdout.close()  # as head does once it has its lines: the tool's next write finds no reader
+    stderr = process.stderr.read()
+    assert process.wait(timeout=120) == 141 and stderr == "", stderr
