@@ -18,12 +18,12 @@ import psutil
 from conftest import REPO, STEP_SCRIPTS, demo_args, run_step
 from test_faults import ranks_of
 
-TIMEOUT_S = 15
+TIMEOUT_S = 10
 
 
 def test_a_frozen_rank_ends_the_job_with_one_line_and_every_stack(demo, tmp_path):
     out = tmp_path / "run"
-    args = demo_args(demo, out) + ["--max_steps", 30, "--save_every", 2, "--total_batch_size", 4,
+    args = demo_args(demo, out) + ["--max_steps", 12, "--save_every", 2, "--total_batch_size", 4,
                                    "--batch_size_per_device", 2, "--collective_timeout", TIMEOUT_S]
     command = [sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc-per-node=2",
                str(STEP_SCRIPTS["fsdp"]), *map(str, args)]
@@ -62,9 +62,9 @@ def test_a_frozen_rank_ends_the_job_with_one_line_and_every_stack(demo, tmp_path
     complete = sorted(out.glob("checkpoints/step-*/COMPLETE"))
     assert complete, "no complete checkpoint"
     step = int(complete[-1].parent.name.removeprefix("step-"))
-    resumed = run_step("fsdp", args + ["--resume"], nproc=2)
+    resumed = run_step("fsdp", args[:-2] + ["--resume"], nproc=2)  # with the default timeout
     assert f"resuming from {complete[-1].parent}" in resumed.stdout + resumed.stderr
-    assert step < 30 and (out / "final" / "config.json").is_file()
+    assert step < 12 and (out / "final" / "config.json").is_file()
 
 
 def test_profile_steps_writes_a_trace_and_a_summary_per_rank(demo, tmp_path):

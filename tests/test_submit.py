@@ -162,12 +162,18 @@ def test_dry_run_quotes_paths_for_the_shell(no_slurm_env, tmp_path):
     (["--step", "fsdp", "--model", "nobody/no-such-model"],
      "model nobody/no-such-model is neither a directory nor in the Hugging Face cache"),
 ])
-def test_impossible_requests_are_refused_with_one_line(no_slurm_env, arguments, message):
+def test_impossible_requests_are_refused_with_one_line(no_slurm_env, monkeypatch, capsys, arguments, message):
+    """In this process, as `python submit.py` runs main() (one subprocess per case took minutes in all;
+    test_submitting_without_slurm_says_where_to_run runs the real command)."""
+    monkeypatch.setenv("PATH", no_slurm_env["PATH"])
+    monkeypatch.chdir(REPO)
     for dry_run in ([], ["--dry-run"]):
-        result = run_submit(dry_run + arguments, no_slurm_env)
-        assert result.returncode == 2 and result.stdout == ""
-        assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
-        assert message in result.stderr
+        with pytest.raises(SystemExit) as exit_info:
+            submit.exit_on_user_error(lambda: submit.main(dry_run + arguments))
+        out, err = capsys.readouterr()
+        assert exit_info.value.code == 2 and out == ""
+        assert err.startswith("error: ") and err.count("\n") == 1, err
+        assert message in err
 
 
 def test_submitting_without_slurm_says_where_to_run(no_slurm_env):
