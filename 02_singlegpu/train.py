@@ -19,8 +19,8 @@ from tqdm import tqdm
 
 from common.arguments import check_arguments, training_arguments
 from common.batch import describe, gradient_accumulation_steps
-from common.checkpoint import (load_file, load_newest, mark_complete, prepare, readable_by_others,
-                               restore_rng, stop_if_not_finite, tensor_bytes, train_state)
+from common.checkpoint import (checkpoint_bytes, load_file, load_newest, mark_complete, prepare, restore_rng,
+                               stop_if_not_finite, train_state, written_whole)
 from common.chess_eval import StopEvaluation, game_prefixes, legal_move_sums, share_of_rank, validation_loss_sums
 from common.data import GlobalBatchSampler, count_loss_tokens, loss_sum, make_loader
 from common.device import pick_device
@@ -43,7 +43,7 @@ def parse_arguments(argv=None):
 
 def train_step(model, optimizer, micro_batches, args, device, autocast):
     """One optimiser step on this rank's micro-batches; returns the step's tokens, summed loss and
-    gradient norm."""
+    gradient norm. The plan check (tools/check_plan.py) runs steps 4 and 5's on fake tensors."""
     # Every token of the global batch weighs the same: divide each micro-batch's summed
     # loss by the token count of the whole global batch, not by its own.
     step_tokens = sum(count_loss_tokens(batch) for batch in micro_batches)
@@ -106,7 +106,7 @@ def main():
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                  "train": train_state(step, scheduler, {"untrained": untrained})}
         path = output_dir.checkpoint(step)
-        with prepare(path, tensor_bytes(state)):  # refused at once if the disk is too full
+        with prepare(path, checkpoint_bytes(state)):  # refused at once if the disk is too full
             torch.save(state, path / "state.pt")
 
     def load_checkpoint(path):
@@ -197,9 +197,9 @@ def main():
     watchdog.phase("final model", args.max_steps)
 
     # The final model in Hugging Face format, loadable with AutoModelForCausalLM.from_pretrained.
-    model.save_pretrained(output_dir.final, safe_serialization=True)
-    tokenizer.save_pretrained(output_dir.final)
-    readable_by_others(output_dir.final)
+    with written_whole(output_dir.final) as final:  # beside final/, then moved in: never half-written
+        model.save_pretrained(final, safe_serialization=True)
+        tokenizer.save_pretrained(final)
     summary = write_summary(output_dir, "02_singlegpu", metrics.records, untrained, [peak_memory(device)])
     print_summary("02_singlegpu", summary)
     watchdog.done()

@@ -18,8 +18,8 @@ from tqdm import tqdm
 
 from common.arguments import check_arguments, training_arguments
 from common.batch import describe, gradient_accumulation_steps
-from common.checkpoint import (load_file, load_newest, mark_complete, prepare, readable_by_others,
-                               restore_rng, stop_if_not_finite, tensor_bytes, train_state)
+from common.checkpoint import (checkpoint_bytes, load_file, load_newest, mark_complete, prepare, restore_rng,
+                               stop_if_not_finite, train_state, written_whole)
 from common.chess_eval import StopEvaluation, game_prefixes, legal_move_sums, share_of_rank, validation_loss_sums
 from common.data import GlobalBatchSampler, count_loss_tokens, loss_sum, make_loader
 from common.device import pick_device
@@ -41,9 +41,9 @@ def parse_arguments(argv=None):
     return training_arguments(__doc__.split("\n\n")[0]).parse_args(argv)
 
 
-def train_step(model, optimizer, micro_batches, args, world_size, device, autocast):
+def train_step(model, optimizer, micro_batches, args, device, autocast):
     """One optimiser step on this rank's micro-batches; returns the step's tokens, summed loss and
-    gradient norm."""
+    gradient norm. The plan check (tools/check_plan.py) runs steps 4 and 5's on fake tensors."""
     # Every token of the global batch weighs the same: divide each micro-batch's summed
     # loss by the token count of the whole global batch (all ranks), not by its own.
     step_tokens = sum(count_loss_tokens(batch) for batch in micro_batches).to(device)
@@ -57,7 +57,7 @@ def train_step(model, optimizer, micro_batches, args, world_size, device, autoca
             with autocast:
                 loss = loss_sum(model, batch)
             # DDP averages gradients over ranks; × world_size turns that average into the sum.
-            (loss * world_size / step_tokens).backward()
+            (loss * dist.get_world_size() / step_tokens).backward()
         step_loss += loss.detach()
     dist.all_reduce(step_loss)
 
@@ -123,7 +123,7 @@ def main():
             state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
                      "train": train_state(step, scheduler, {"untrained": untrained})}
             path = output_dir.checkpoint(step)
-            with prepare(path, tensor_bytes(state)):  # refused at once if the disk is too full
+            with prepare(path, checkpoint_bytes(state)):  # refused at once if the disk is too full
                 torch.save(state, path / "state.pt")
         dist.barrier()  # nobody races ahead (or exits) while rank 0 is still writing
 
@@ -175,8 +175,7 @@ def main():
         micro_batches = [{k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
                          for _ in range(accumulation)]
         timer.data_ready(waiting)
-        step_tokens, step_loss, grad_norm = train_step(model, optimizer, micro_batches, args, world_size, device,
-                                                       autocast)
+        step_tokens, step_loss, grad_norm = train_step(model, optimizer, micro_batches, args, device, autocast)
         scheduler.step()
 
         elapsed, data_wait = timer.finish()
@@ -225,9 +224,9 @@ def main():
     peaks = [None] * world_size
     dist.all_gather_object(peaks, peak_memory(device))
     if is_main:
-        model.module.save_pretrained(output_dir.final, safe_serialization=True)
-        tokenizer.save_pretrained(output_dir.final)
-        readable_by_others(output_dir.final)
+        with written_whole(output_dir.final) as final:  # beside final/, then moved in: never half-written
+            model.module.save_pretrained(final, safe_serialization=True)
+            tokenizer.save_pretrained(final)
         summary = write_summary(output_dir, "03_ddp", metrics.records, untrained, peaks)
         print_summary("03_ddp", summary)
     # Free DDP's gradient reducer while the process group is alive: freed the other way round, at exit,

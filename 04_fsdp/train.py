@@ -24,9 +24,8 @@ from tqdm import tqdm
 
 from common.arguments import check_arguments, training_arguments
 from common.batch import describe, gradient_accumulation_steps
-from common.checkpoint import (TRAIN_STATE, disk_full_is_one_line, load_file, load_newest,
-                               load_sharded, mark_complete, prepare, readable_by_others, restore_rng,
-                               stop_if_not_finite, tensor_bytes, train_state)
+from common.checkpoint import (TRAIN_STATE, load_file, load_newest, load_sharded, mark_complete, restore_rng,
+                               sharded_save, stop_if_not_finite, train_state, written_whole)
 from common.chess_eval import StopEvaluation, game_prefixes, legal_move_sums, share_of_rank, validation_loss_sums
 from common.data import GlobalBatchSampler, count_loss_tokens, loss_sum, make_loader
 from common.device import pick_device
@@ -106,9 +105,9 @@ def parse_arguments(argv=None):
     return args
 
 
-def train_step(model, optimizer, micro_batches, args, world_size, device, autocast):
+def train_step(model, optimizer, micro_batches, args, device, autocast):
     """One optimiser step on this rank's micro-batches; returns the step's tokens, summed loss and
-    gradient norm. The plan check (tools/check_plan.py) runs this same function on fake tensors."""
+    gradient norm. The plan check (tools/check_plan.py) runs steps 4 and 5's on fake tensors."""
     # Every token of the global batch weighs the same: divide each micro-batch's summed
     # loss by the token count of the whole global batch (all ranks), not by its own.
     step_tokens = sum(count_loss_tokens(batch) for batch in micro_batches).to(device)
@@ -125,7 +124,7 @@ def train_step(model, optimizer, micro_batches, args, world_size, device, autoca
         with autocast:
             loss = loss_sum(model, batch)
         # FSDP averages gradients over ranks; × world_size turns that average into the sum.
-        (loss * world_size / step_tokens).backward()
+        (loss * dist.get_world_size() / step_tokens).backward()
         step_loss += loss.detach()
     dist.all_reduce(step_loss)
 
@@ -204,17 +203,13 @@ def main():
     def save_checkpoint(step):
         path = output_dir.checkpoint(step)
         model_state, optimizer_state = get_state_dict(model, optimizer)
-        needed = tensor_bytes([model_state, optimizer_state])  # each tensor once, however many ranks hold it
-        if is_main:
-            prepare(path, needed)  # refused at once if the disk is too full
-        dist.barrier()
-        with disk_full_is_one_line(path, needed):
-            dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
-        if is_main:  # dcp.save has returned on every rank: all shards are on disk
-            torch.save(train_state(step, scheduler, {"untrained": untrained}), path / TRAIN_STATE)
-            model.config.save_pretrained(path)
-            tokenizer.save_pretrained(path)
-        dist.barrier()
+        state = {"model": model_state, "optimizer": optimizer_state}
+        with sharded_save(path, state, is_main):  # refused at once if the disk is too full; fails on all ranks at once
+            dcp.save(state, checkpoint_id=path)
+            if is_main:  # dcp.save has returned on every rank: all shards are on disk
+                torch.save(train_state(step, scheduler, {"untrained": untrained}), path / TRAIN_STATE)
+                model.config.save_pretrained(path)
+                tokenizer.save_pretrained(path)
 
     def load_checkpoint(path):
         nonlocal start_step, untrained
@@ -266,8 +261,7 @@ def main():
         micro_batches = [{k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
                          for _ in range(accumulation)]
         timer.data_ready(waiting)
-        step_tokens, step_loss, grad_norm = train_step(model, optimizer, micro_batches, args, world_size, device,
-                                                       autocast)
+        step_tokens, step_loss, grad_norm = train_step(model, optimizer, micro_batches, args, device, autocast)
         scheduler.step()
 
         elapsed, data_wait = timer.finish()
@@ -319,9 +313,9 @@ def main():
     peaks = [None] * world_size
     dist.all_gather_object(peaks, peak_memory(device))
     if is_main:
-        model.save_pretrained(output_dir.final, state_dict=full_state, safe_serialization=True)
-        tokenizer.save_pretrained(output_dir.final)
-        readable_by_others(output_dir.final)
+        with written_whole(output_dir.final) as final:  # beside final/, then moved in: never half-written
+            model.save_pretrained(final, state_dict=full_state, safe_serialization=True)
+            tokenizer.save_pretrained(final)
         summary = write_summary(output_dir, "04_fsdp", metrics.records, untrained, peaks)
         print_summary("04_fsdp", summary)
     # Free the sharded model while the process group is alive: freed the other way round, at exit,

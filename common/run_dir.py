@@ -6,7 +6,8 @@ the submitit launcher and the Slurm templates (through the commands below) all a
     OUTPUT_DIR/metrics.jsonl                one JSON line per optimiser step
     OUTPUT_DIR/summary.json                 written once the run has finished
     OUTPUT_DIR/checkpoints/step-NNNNNN/     a checkpoint; it counts once its COMPLETE marker exists
-    OUTPUT_DIR/final/                       the final model, in Hugging Face format
+    OUTPUT_DIR/final/                       the final model, in Hugging Face format (written beside, as
+                                            final.partial-PID, and moved in whole: common/checkpoint.py)
     OUTPUT_DIR/profile/                     --profile_steps: a trace and a summary per rank
     OUTPUT_DIR/hang/                        after a hang: every rank's stacks (common/hang.py)
     OUTPUT_DIR/tensorboard/, mlflow.db, wandb/   the trackers' files (--report_to)

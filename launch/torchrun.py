@@ -47,9 +47,11 @@ class HoldBack(logging.Filter):
 
     def __init__(self):
         super().__init__()
-        self.held, self.user_error = [], False
+        self.held, self.user_error, self.released = [], False, False
 
     def filter(self, record):
+        if self.released:  # replayed, or said after that: everything passes
+            return True
         if isinstance(record.msg, str) and record.msg.startswith(HELD_BACK):
             self.held.append(record)
             self.user_error |= record.msg.startswith("failed") and record.args[0] in SAID_IN_ONE_LINE
@@ -57,6 +59,7 @@ class HoldBack(logging.Filter):
         return True
 
     def replay(self):
+        self.released = True  # else each replayed record would be held again, and the list would never end
         for record in self.held:  # a real failure: everything torchrun had to say
             logging.getLogger(record.name).handle(record)
 

@@ -55,6 +55,25 @@ def demo(tmp_path_factory):
     return out
 
 
+@pytest.fixture
+def tmpfs(tmp_path):
+    """tmpfs(size): a small file system of that size (as `mount -o size=` takes it) for the disk-full
+    tests, unmounted at the end; the test is skipped where it cannot be mounted (not root)."""
+    mounted = []
+
+    def mount(size):
+        disk = tmp_path / f"disk-{len(mounted)}"
+        disk.mkdir()
+        if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)],
+                                               capture_output=True).returncode != 0:
+            pytest.skip("cannot mount a small tmpfs here (needs root)")
+        mounted.append(disk)
+        return disk
+    yield mount
+    for disk in mounted:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
 def run_step(step, args, nproc=1, timeout=600, check=True):
     """Run a training step the way a user does: plain python for step 2, torchrun for 3 and 4."""
     if step == "single":

@@ -4,6 +4,7 @@ with --resume (so a run that went ahead would write there): afterwards every fil
 must be unchanged, byte for byte. Damaged checkpoints are not refused but survived: --resume
 falls back to the previous complete one, says so, and still ends where the uninterrupted run ends.
 """
+import errno
 import json
 import math
 import os
@@ -15,9 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from common import checkpoint
 from common.errors import UserError
+from common.run_dir import is_complete
 from launch.steps import load_step
-from conftest import RANKS, REPO, RESUMABLE, assert_same_run, demo_args, read_metrics, run_step, with_changed
+from conftest import (RANKS, REPO, RESUMABLE, STEP_SCRIPTS, assert_same_run, demo_args, read_metrics, run_step,
+                      with_changed)
 
 
 SPLIT = ["--total_batch_size", 8, "--batch_size_per_device", 2]  # 1 × 2 × 4 or 2 ranks × 2 × 2
@@ -336,15 +340,9 @@ def test_every_script_answers_help(script):
 # ---- a full disk ------------------------------------------------------------------------------
 
 @pytest.fixture
-def small_disk(tmp_path):
+def small_disk(tmpfs):
     """A 12 MiB file system: room for the run's metrics, not for a checkpoint of the demo model (19 MB)."""
-    disk = tmp_path / "small-disk"
-    disk.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(disk)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a small tmpfs here (needs root)")
-    yield disk
-    subprocess.run(["umount", "-l", str(disk)], check=False)
+    return tmpfs("12m")
 
 
 @pytest.mark.parametrize("step", ["single", "fsdp"])
@@ -356,6 +354,157 @@ def test_a_full_disk_is_one_line_that_says_so(demo, small_disk, step):
     line = one_error_line(result) if step == "single" else launcher_error_line(result)
     assert "no room for a checkpoint" in line and "MiB free" in line and "one needs about" in line, line
     assert not any((output_dir / "checkpoints").glob("*/COMPLETE"))
+
+
+# Step 4's script, with a disk that another job fills up right after the space check of the second
+# checkpoint has passed: all but LEAVE bytes are taken ("index" leaves room for DCP's own files, the
+# shards and the index, as large as the first checkpoint's, and not for rank 0's files after them).
+FILL_AFTER_CHECK = """
+import os, runpy, shutil, sys
+import common.checkpoint as checkpoint
+
+script, disk, leave = sys.argv.pop(1), sys.argv.pop(1), sys.argv.pop(1)
+checks = []
+
+
+def pages(path):
+    return -(-path.stat().st_size // 4096) * 4096
+
+
+def prepare_then_fill(path, needed_bytes):
+    done = checks_passed(path, needed_bytes)
+    checks.append(path)
+    if len(checks) == 2:
+        first = checks[0]
+        room = int(leave) if leave != "index" else sum(
+            pages(file) for file in first.iterdir() if file.suffix == ".distcp" or file.name == ".metadata") + 4096
+        with open(os.path.join(disk, "filler"), "wb") as filler:
+            os.posix_fallocate(filler.fileno(), 0, shutil.disk_usage(disk).free - room)
+        print(f"filled the disk after the space check of {path.name}", flush=True)
+    return done
+
+
+checks_passed, checkpoint.prepare = checkpoint.prepare, prepare_then_fill
+sys.argv[0] = script
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+def launched(command, timeout=300):
+    """2 ranks under python -m launch.torchrun, as the Slurm templates start them."""
+    return subprocess.run([sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc-per-node=2",
+                           *map(str, command)], capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
+
+
+def launched_error_line(result):
+    """The job's one line: the launcher adds nothing, and no rank a traceback or a line of its own."""
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "stopped: " not in result.stderr, result.stderr[-3000:]
+    return errors[0]
+
+
+@pytest.mark.parametrize("leave", [4 * 2**20, "index"], ids=["in-the-shards", "after-the-shards-on-rank-0"])
+def test_a_disk_that_fills_during_a_sharded_save_stops_every_rank_with_one_line(demo, tmp_path, tmpfs, leave):
+    """Step 4 on 2 ranks; the space check of the second checkpoint passes, then the disk fills up.
+    Either DCP's writes fail on the ranks (`unexpected pos 704 vs 598` from torch.save's zip writer,
+    wrapped in a CheckpointException), or DCP's files fit and rank 0's own files after them fail on
+    rank 0 alone. Every rank learns it, and the job ends at once (within the timeout: no rank waits
+    in a collective for one that has stopped) with one line, exit status 2 and no traceback. The
+    failed save's folder is removed; the first checkpoint is intact: --resume continues from it,
+    and its next save, the disk still full, is refused by the space check before it writes."""
+    disk = tmpfs("64m")  # 3 checkpoints of the demo (20.4 MB each)
+    output_dir = disk / "run"
+    args = demo_args(demo, output_dir) + ["--max_steps", 3, "--save_every", 1, "--keep_checkpoints", 3, *SPLIT]
+    wrapper = tmp_path / "fill_after_check.py"
+    wrapper.write_text(FILL_AFTER_CHECK)
+    result = launched([wrapper, STEP_SCRIPTS["fsdp"], disk, leave, *args])
+    assert "filled the disk after the space check of step-000002" in result.stdout, result.stdout[-3000:]
+    line = launched_error_line(result)
+    assert line.startswith(f"error: no room for a checkpoint in {output_dir / 'checkpoints'}: one needs about "), line
+    assert "MiB free" in line and "the last complete checkpoint is untouched" in line, line
+    checkpoints = output_dir / "checkpoints"
+    assert sorted(path.name for path in checkpoints.iterdir()) == ["step-000001"]
+    assert is_complete(checkpoints / "step-000001")
+
+    resumed = launched([STEP_SCRIPTS["fsdp"], *args, "--resume"])
+    assert f"resuming from {checkpoints / 'step-000001'}" in resumed.stdout + resumed.stderr, resumed.stderr[-3000:]
+    refused_line = launched_error_line(resumed)
+    assert refused_line.startswith(f"error: no room for a checkpoint in {checkpoints}: one needs about "), refused_line
+    assert sorted(path.name for path in checkpoints.iterdir()) == ["step-000001"]
+
+
+def test_a_disk_that_fills_while_the_final_model_is_written_leaves_no_half_of_it(demo, tmpfs):
+    """Step 2: the checkpoint (19.5 MB) fits, the final model after it (6.5 MB) does not. One line;
+    final/ is written beside its place and moved in only when whole, so neither a final/ with a few
+    of its files nor the partial folder is left. With room made, --resume writes it from the checkpoint."""
+    disk = tmpfs("22m")
+    output_dir = disk / "run"
+    args = demo_args(demo, output_dir) + ["--max_steps", 1, "--save_every", 1]
+    line = one_error_line(run_step("single", args, check=False))
+    assert line.startswith(f"error: no room for {output_dir / 'final'}: the disk filled up while it was "), line
+    assert "nothing of it was kept" in line and "run the same command with --resume" in line, line
+    assert not list(output_dir.glob("final*")), sorted(path.name for path in output_dir.iterdir())
+    assert is_complete(output_dir / "checkpoints" / "step-000001")
+
+    subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
+    done = run_step("single", args + ["--resume"])
+    assert f"resuming from {output_dir / 'checkpoints' / 'step-000001'}" in done.stdout + done.stderr
+    assert sorted(path.name for path in output_dir.glob("final*")) == ["final"]
+    assert {"model.safetensors", "tokenizer.json"} <= {path.name for path in (output_dir / "final").iterdir()}
+
+
+@pytest.mark.quick
+def test_a_folder_written_whole_replaces_the_old_one_only_once_it_is_complete(tmp_path):
+    """written_whole (common/checkpoint.py), as the steps write final/ and tools/export.py OUT_DIR."""
+    final = tmp_path / "final"
+    final.mkdir()
+    (final / "model.safetensors").write_text("the old model")
+    for failure in (OSError(errno.ENOSPC, "No space left on device"), KeyboardInterrupt(), ValueError("a bug")):
+        with pytest.raises(UserError if isinstance(failure, OSError) else type(failure)) as raised:
+            with checkpoint.written_whole(final) as folder:
+                (folder / "config.json").write_text("{}")
+                raise failure
+        if isinstance(failure, OSError):
+            assert str(raised.value).startswith(f"no room for {final}: the disk filled up while it was written (")
+            assert "what it held before is untouched" in str(raised.value), raised.value
+        assert sorted(path.name for path in tmp_path.iterdir()) == ["final"]  # no partial folder, nothing else
+        assert [path.name for path in final.iterdir()] == ["model.safetensors"]
+    with checkpoint.written_whole(final) as folder:
+        (folder / "model.safetensors").write_text("the new model")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["final"]
+    assert (final / "model.safetensors").read_text() == "the new model"
+    occupied = tmp_path / "occupied"  # replace=False (an export's OUT_DIR): files someone else put there stay
+    occupied.mkdir()
+    (occupied / "notes.txt").write_text("keep me")
+    with pytest.raises(OSError):
+        with checkpoint.written_whole(occupied, replace=False) as folder:
+            (folder / "model.safetensors").write_text("a model")
+    assert [path.name for path in occupied.iterdir()] == ["notes.txt"] and not list(tmp_path.glob("*.partial-*"))
+
+
+@pytest.mark.quick
+def test_a_full_disk_is_recognised_however_the_save_reports_it(tmp_path):
+    """ENOSPC in the chain of causes, in a CheckpointException's failures of each rank, in the text of
+    safetensors' errors; torch.save's zip writer gives no reason at all, so its failure counts as a
+    full disk only where the disk now has less room than the checkpoint needs."""
+    from safetensors import SafetensorError
+    from torch.distributed.checkpoint.api import CheckpointException
+    full = OSError(errno.ENOSPC, "No space left on device")
+    wrapped = RuntimeError("saving failed")
+    wrapped.__cause__ = full
+    assert checkpoint.is_disk_full(full) and checkpoint.is_disk_full(wrapped)
+    assert checkpoint.is_disk_full(CheckpointException("write", {1: (full, None)}))
+    safetensors_full = SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    assert checkpoint.is_disk_full(safetensors_full)  # its text only: no errno, no cause
+    zip_writer = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    in_dcp = CheckpointException("write", {0: (zip_writer, None)})
+    free = shutil.disk_usage(tmp_path).free
+    assert checkpoint.is_disk_full(in_dcp, tmp_path / "step-000002", free + 1)  # not that much room left
+    assert not checkpoint.is_disk_full(in_dcp, tmp_path / "step-000002", 1)  # room enough: another failure
+    assert not checkpoint.is_disk_full(OSError(errno.EACCES, "Permission denied"), tmp_path, free + 1)
 
 
 # ---- step 4 and 5 options and models ---------------------------------------------------------
@@ -387,3 +536,40 @@ def test_lora_target_module_the_model_lacks(demo, tmp_path):
     (line,) = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert line.startswith("error: --lora_target_modules qkv_proj: ") and "linear layers are down_proj" in line, line
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_failed_sharded_save_is_learnt_by_every_rank(tmp_path):
+    """sharded_save on 2 gloo ranks, where only rank 0 fails: a full disk is the same UserError on
+    both; another error (a bug) is its own error on rank 0 and a lost rank (DistError) on rank 1,
+    which common/errors.py turns into `stopped: rank 1 lost another rank`. Neither waits for the other."""
+    script = tmp_path / "ranks.py"
+    script.write_text(f"""
+import errno
+from pathlib import Path
+import torch, torch.distributed as dist
+from common.checkpoint import sharded_save
+from common.errors import leave_after_success
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+for case, failure in [("disk", OSError(errno.ENOSPC, "No space left on device")), ("bug", ValueError("a bug")),
+                      ("none", None)]:
+    path = Path({str(tmp_path)!r}) / case
+    try:
+        with sharded_save(path, {{"w": torch.zeros(4)}}, rank == 0):
+            if rank == 0 and failure is not None:
+                raise failure
+        print(f"{{case}} rank {{rank}}: saved, {{sorted(p.name for p in path.iterdir())}}", flush=True)
+    except Exception as err:
+        print(f"{{case}} rank {{rank}}: {{type(err).__name__}}: {{err}}", flush=True)
+dist.destroy_process_group()
+leave_after_success()
+""")
+    out = run_step(script, [], nproc=2, timeout=120).stdout
+    said = dict(line.split(": ", 1) for line in out.splitlines() if " rank " in line)
+    assert said["disk rank 0"] == said["disk rank 1"], out
+    assert said["disk rank 0"].startswith(f"UserError: no room for a checkpoint in {tmp_path}: one needs about "), out
+    assert not (tmp_path / "disk").exists()  # removed: it held what the next try needs
+    assert said["bug rank 0"] == "ValueError: a bug", out
+    assert said["bug rank 1"] == f"DistError: rank 0 failed to save {tmp_path / 'bug'}: a bug", out
+    assert said["none rank 0"] == said["none rank 1"] == "saved, []", out

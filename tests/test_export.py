@@ -83,3 +83,26 @@ def test_export_refuses_damaged_shards_and_an_unwritable_destination(fsdp_run, t
     done = export(fsdp_run / "checkpoints/step-000004", Path("/sys/kit-export"))  # sysfs: read-only for everyone
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert done.stderr.startswith("error: cannot write the model to /sys/kit-export"), done.stderr
+
+
+def test_export_leaves_no_partial_folder_and_says_what_is_missing_in_one_line(fsdp_run, tmp_path, tmpfs):
+    """A checkpoint without its tokenizer files (copied without them): one line that says so, read
+    before anything is written. A disk that fills up while the model is written (here 2 MiB, for a
+    6.5 MB model): one line, and neither OUT_DIR nor the folder it was written into is left."""
+    untokenized = tmp_path / "step-000004"
+    shutil.copytree(fsdp_run / "checkpoints/step-000004", untokenized, ignore=shutil.ignore_patterns("tokenizer*"))
+    done = export(untokenized, tmp_path / "out")
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert done.stderr.startswith(f"error: {untokenized} holds no tokenizer that can be read (no tokenizer files in "
+                                  "it): "), done.stderr
+    assert "copy the tokenizer files of the run's --model" in done.stderr, done.stderr
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["step-000004"]
+
+    disk = tmpfs("2m")
+    done = export(fsdp_run / "checkpoints/step-000004", disk / "exported")
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]  # after save_pretrained's bar
+    assert done.returncode == 2 and len(errors) == 1 and "Traceback" not in done.stderr, done.stderr
+    line = errors[0]
+    assert line.startswith(f"error: no room for {disk / 'exported'}: the disk filled up while it was written ("), line
+    assert line.endswith("nothing of it was kept. Free some space, or choose an OUT_DIR on a disk with room for it")
+    assert list(disk.iterdir()) == []

@@ -158,14 +158,15 @@ def step_of(names):
 
 
 def fault_plan(seed):
-    """Kills across steps and during saves, on either rank: 3 per launcher step (ddp, fsdp)."""
+    """Kills during saves and across steps, on either rank: during a save with an earlier checkpoint
+    (DDP's one file, FSDP's shards), during the first save (nothing to resume from yet) and in a step."""
     rng = random.Random(seed)
     plan = []
     for step in ("ddp", "fsdp"):
         save_step = rng.choice(range(SAVE_EVERY * 2, STEPS, SAVE_EVERY))  # not the first: a previous one exists
         plan.append((step, rng.randint(0, 1), "during save", save_step))
-        plan.append((step, rng.randint(0, 1), "during save", SAVE_EVERY))  # no complete checkpoint yet
-        plan.append((step, rng.randint(0, 1), "in a step", rng.randint(1, STEPS - 2)))
+    plan.append(("fsdp", rng.randint(0, 1), "during save", SAVE_EVERY))  # no complete checkpoint yet
+    plan.append(("ddp", rng.randint(0, 1), "in a step", rng.randint(1, STEPS - 2)))
     return plan
 
 
@@ -252,3 +253,16 @@ exit_on_user_error(main)
     result = run_step(probe, [], nproc=2)  # fails unless torchrun exits 0
     assert "rank 0 done" in result.stdout, result.stdout[-2000:]
     assert "interpreter shutdown ran" not in result.stdout
+
+
+def test_a_crash_under_the_launcher_ends_with_torchruns_report(tmp_path):
+    """A rank that fails with a traceback (a bug, not the user's mistake) under python -m
+    launch.torchrun: the launcher gives back torchrun's report that it held back, and ends. (It
+    once held each replayed record back again: the list never ended, and the job never did.)"""
+    crash = tmp_path / "crash.py"
+    crash.write_text('raise RuntimeError("a bug")\n')
+    result = subprocess.run([sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc-per-node=2", str(crash)],
+                            capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "RuntimeError: a bug" in result.stderr and "Root Cause (first observed failure)" in result.stderr
+    assert "failed (exitcode: 1)" in result.stderr, result.stderr[-3000:]  # one of the records it held back

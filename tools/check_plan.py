@@ -217,7 +217,7 @@ def run_steps(module, model, optimizer, tracker, args, world_size, accumulation,
         micro_batch_count[0] = 0
         batches = [micro_batch() for _ in range(count)]  # train.py moves a step's micro-batches at once
         tracker.track_inputs((batches,))
-        module.train_step(model, optimizer, batches, args, world_size, torch.device("cpu"), nullcontext())
+        module.train_step(model, optimizer, batches, args, torch.device("cpu"), nullcontext())
     tracker.phase = None
     for hook in hooks:
         hook.remove()

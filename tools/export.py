@@ -8,9 +8,7 @@ writes them with save_pretrained, so that AutoModelForCausalLM.from_pretrained(O
 them without this kit. The checkpoint folder also holds the run's config.json and tokenizer.
 """
 import argparse
-import os
 import pickle
-import shutil
 import warnings
 from pathlib import Path
 
@@ -19,7 +17,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from common.checkpoint import load_sharded, readable_by_others
+from common.checkpoint import load_sharded, written_whole
 from common.run_dir import CHECKPOINT_FOLDER, MARKER, is_complete
 from common.safe_dcp import SafeReader
 from common.errors import UserError, exit_on_user_error, first_line
@@ -58,9 +56,23 @@ def load_model_weights(checkpoint):
     return state
 
 
+def load_tokenizer(checkpoint):
+    """The tokenizer that rank 0 saved beside the shards, read before anything is written."""
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(checkpoint)
+    except (OSError, ValueError, TypeError, KeyError) as err:
+        files = sorted(path.name for path in checkpoint.glob("tokenizer*"))
+        why = f"{', '.join(files)}: {first_line(err).rstrip(' :')}" if files else "no tokenizer files in it"
+        raise UserError(f"{checkpoint} holds no tokenizer that can be read ({why}): copy the tokenizer files of the "
+                        "run's --model (tokenizer.json, tokenizer_config.json, ...) into it, then export "
+                        "again") from None
+
+
 def export(checkpoint, out_dir):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
     weights = load_model_weights(checkpoint)
+    tokenizer = load_tokenizer(checkpoint)
     config = AutoConfig.from_pretrained(checkpoint)
     with torch.device("meta"):  # only the structure: save_pretrained writes `weights`
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -68,19 +80,15 @@ def export(checkpoint, out_dir):
     if missing:
         raise UserError(f"{checkpoint} lacks {len(missing)} of the model's weights (e.g. {sorted(missing)[0]}): "
                         "it does not match its config.json")
-    # Write next to OUT_DIR under a name of this process, then rename: an interrupted export leaves
-    # no half-written model, and nothing this export did not create is ever removed.
-    partial = out_dir.with_name(f"{out_dir.name}.partial-{os.getpid()}")
+    # Written next to OUT_DIR under a name of this process, then renamed (common/checkpoint.py): an
+    # export that fails or is interrupted leaves no half-written model, and no partial folder; nothing
+    # this export did not create is ever removed.
     try:
-        partial.mkdir(parents=True)
-        model.save_pretrained(partial, state_dict=weights, safe_serialization=True)
-        AutoTokenizer.from_pretrained(checkpoint).save_pretrained(partial)
-        readable_by_others(partial)
-        if out_dir.exists():
-            out_dir.rmdir()  # empty, checked above
-        os.replace(partial, out_dir)
+        with written_whole(out_dir, "Free some space, or choose an OUT_DIR on a disk with room for it",
+                           replace=False) as partial:  # an empty OUT_DIR is replaced, never one with files
+            model.save_pretrained(partial, state_dict=weights, safe_serialization=True)
+            tokenizer.save_pretrained(partial)
     except OSError as err:
-        shutil.rmtree(partial, ignore_errors=True)  # ours
         raise UserError(f"cannot write the model to {out_dir} ({err.strerror or first_line(err)}): choose a "
                         "writable OUT_DIR on a disk with room for it") from None
 
