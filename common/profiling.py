@@ -74,7 +74,7 @@ def summary(averages, rank):
     optimizer = sum(event.cpu_time_total for event in averages if OPTIMIZER.search(event.key))
     compute = max(wall - communication - optimizer, 0.0)
     on_gpu = any(event.device_time_total for event in averages)
-    lines = [f"rank {rank}: {len(steps) and sum(event.count for event in steps)} profiled step(s), "
+    lines = [f"rank {rank}: {sum(event.count for event in steps)} profiled step(s), "
              f"{wall / 1e3:.1f} ms on the host",
              f"  communication {communication / wall:6.1%}   (collectives, including waiting for other ranks)",
              f"  optimizer     {optimizer / wall:6.1%}   (AdamW's step)",
