@@ -559,14 +559,17 @@ for case, failure in [("disk", OSError(errno.ENOSPC, "No space left on device"))
         with sharded_save(path, {{"w": torch.zeros(4)}}, rank == 0):
             if rank == 0 and failure is not None:
                 raise failure
-        print(f"{{case}} rank {{rank}}: saved, {{sorted(p.name for p in path.iterdir())}}", flush=True)
+        said = f"saved, {{sorted(p.name for p in path.iterdir())}}"
     except Exception as err:
-        print(f"{{case}} rank {{rank}}: {{type(err).__name__}}: {{err}}", flush=True)
+        said = f"{{type(err).__name__}}: {{err}}"
+    with open(Path({str(tmp_path)!r}) / f"said-rank{{rank}}.txt", "a") as file:  # one file each: stdout interleaves
+        file.write(f"{{case}} rank {{rank}}: {{said}}\\n")
 dist.destroy_process_group()
 leave_after_success()
 """)
-    out = run_step(script, [], nproc=2, timeout=120).stdout
-    said = dict(line.split(": ", 1) for line in out.splitlines() if " rank " in line)
+    run_step(script, [], nproc=2, timeout=120)
+    out = "".join((tmp_path / f"said-rank{rank}.txt").read_text() for rank in (0, 1))
+    said = dict(line.split(": ", 1) for line in out.splitlines())
     assert said["disk rank 0"] == said["disk rank 1"], out
     assert said["disk rank 0"].startswith(f"UserError: no room for a checkpoint in {tmp_path}: one needs about "), out
     assert not (tmp_path / "disk").exists()  # removed: it held what the next try needs

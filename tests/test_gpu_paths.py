@@ -22,13 +22,17 @@ from conftest import REPO, run_step
 
 
 def run_ranks(tmp_path, source, nproc=2):
-    """`source` as a script under torchrun (gloo, `nproc` CPU processes); its output. Each rank
+    """`source` as a script under torchrun (gloo, `nproc` CPU processes); its output, rank by rank
+    (each rank prints to its own file: lines printed at once on one stdout can interleave). Each rank
     leaves as the kit's ranks do (common/errors.py: leave_after_success), so that a gloo group's
     worker thread cannot abort a finished rank while Python shuts down."""
     script = tmp_path / "ranks.py"
+    own_file = ("import os, sys\n"
+                f"sys.stdout = open({str(tmp_path)!r} + '/stdout-rank' + os.environ['RANK'] + '.txt', 'w', buffering=1)\n")
     leave = "from common.errors import leave_after_success\nleave_after_success()\n"
-    script.write_text(textwrap.dedent(source) + leave)
-    return run_step(script, [], nproc=nproc, timeout=300).stdout
+    script.write_text(own_file + textwrap.dedent(source) + leave)
+    run_step(script, [], nproc=nproc, timeout=300)
+    return "".join((tmp_path / f"stdout-rank{rank}.txt").read_text() for rank in range(nproc))  # rank by rank
 
 
 # ---- the process group ------------------------------------------------------------------------
@@ -50,7 +54,7 @@ def test_cpu_tensors_are_reduced_by_gloo_beside_the_gpu_backend(tmp_path):
         norm = torch.tensor([dist.get_rank() + 1.0])
         dist.all_reduce(norm)
         cpu, cuda = group._get_backend(torch.device("cpu")).name(), group._get_backend(torch.device("cuda")).name()
-        os.write(1, f"{cpu} {cuda} {norm.item()}\\n".encode())  # one write per rank: the ranks' lines never mix
+        print(cpu, cuda, norm.item())
         dist.destroy_process_group()
     """)
     assert out.splitlines() == ["gloo fake 3.0"] * 2
