@@ -27,8 +27,8 @@ def run_ranks(tmp_path, source, nproc=2):
     leaves as the kit's ranks do (common/errors.py: leave_after_success), so that a gloo group's
     worker thread cannot abort a finished rank while Python shuts down."""
     script = tmp_path / "ranks.py"
-    own_file = ("import os, sys\n"
-                f"sys.stdout = open({str(tmp_path)!r} + '/stdout-rank' + os.environ['RANK'] + '.txt', 'w', buffering=1)\n")
+    stdout = f"{str(tmp_path)!r} + '/stdout-rank' + os.environ['RANK'] + '.txt'"
+    own_file = f"import os, sys\nsys.stdout = open({stdout}, 'w', buffering=1)\n"
     leave = "from common.errors import leave_after_success\nleave_after_success()\n"
     script.write_text(own_file + textwrap.dedent(source) + leave)
     run_step(script, [], nproc=nproc, timeout=300)
