@@ -42,7 +42,7 @@ SEQ_LENGTH = 128
 LEARNING_RATE = 3e-3
 FULL_STEPS, QUICK_STEPS = 20, 3
 ROUNDS = 2  # of the runs the targets compare (the full benchmark)
-QUICK_BLOCKS = [("built-in", 1), ("wide vocab", 2)]  # --quick: each model and each accumulation once
+QUICK_BLOCKS = [("wide vocab", 2)]  # --quick: the block with every compared run (the bytes: both models)
 UNSHARDED = "--accumulate_unsharded"
 MICRO_BATCHES = 2  # of the bytes measurement's optimiser steps
 SHARD_GROUP_SIZE = 2  # HYBRID_SHARD's ranks per shard group in the bytes measurement (4 ranks: 2 x 2, as the runs)
@@ -235,9 +235,9 @@ def check_targets(rows, state_bytes):
                     ratio_target(f"{label} tokens/s ≥ 0.9 × DDP's, 2 ranks", 0.9, full, ddp),
                     ratio_target(f"{label} useful tokens/s ≥ 1.3 × the HF Trainer FSDP baseline's (SageMaker data "
                                  "preparation: one padded game per row), 2 ranks", 1.3, full, hf),
-                    # no target: where the gain over the Trainer comes from
-                    ratio_target(f"for information: {label} tokens/s ÷ the HF Trainer's on the same packed rows "
-                                 "(the training loops alone), 2 ranks", None, full, packed)]
+                    # the training loops alone (issue 24): the rows, the optimiser and the schedule are the same
+                    ratio_target(f"{label} tokens/s ≥ 1.0 × the HF Trainer's on the same packed rows, 2 ranks", 1.0,
+                                 full, packed)]
                 targets += [(model, accumulation, *found) for found in found if found]
     for model in MODELS:
         for ranks, measured in sorted(state_bytes.get(model, {}).items()):

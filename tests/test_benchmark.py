@@ -1,7 +1,7 @@
-"""benchmark/run.py: the side-by-side benchmark (quick mode: both models, both accumulations,
---accumulate_unsharded) writes a consistent table, JSON, plots and target checks; the wide-vocab
-model it builds; the shipped CodeLlama-7b config. No timing values are asserted: they depend on
-the machine."""
+"""benchmark/run.py: the side-by-side benchmark (quick mode: every compared run of the
+wide-vocab model at accumulation 2, --accumulate_unsharded too; the bytes of both models) writes
+a consistent table, JSON, plots and target checks; the wide-vocab model it builds; the shipped
+CodeLlama-7b config. No timing values are asserted: they depend on the machine."""
 import json
 import os
 import subprocess
@@ -77,10 +77,10 @@ def runs_of(results, model, accumulation):
     return {row["name"]: row for row in results["runs"] if (row["model"], row["accumulation"]) == (model, accumulation)}
 
 
-def test_quick_covers_both_models_and_both_accumulations(quick):
+def test_quick_runs_every_compared_configuration(quick):
     out, results, _ = quick
     compared = ["ddp x2", "fsdp FULL_SHARD x2", "hf_trainer fsdp x2", "hf_trainer fsdp x2 packed"]
-    assert list(runs_of(results, "built-in", 1)) == compared
+    assert {(row["model"], row["accumulation"]) for row in results["runs"]} == {("wide vocab", 2)}
     assert list(runs_of(results, "wide vocab", 2)) == compared[:2] + ["fsdp FULL_SHARD x2 --accumulate_unsharded"] \
         + compared[2:]
     assert [results["models"][m]["vocab_size"] for m in ("built-in", "wide vocab")] == [128, 20_480]
@@ -93,11 +93,10 @@ def test_quick_covers_both_models_and_both_accumulations(quick):
         records = [json.loads(line) for line in (Path(row["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
         if row["script"] != "benchmark/hf_trainer_fsdp.py":
             assert {r["gradient_accumulation_steps"] for r in records} == {row["accumulation"]}, row["name"]
-    for model, accumulation in (("built-in", 1), ("wide vocab", 2)):
-        for folder in ("hf_trainer fsdp x2", "hf_trainer fsdp x2 packed"):
-            trainer = json.loads((Path(runs_of(results, model, accumulation)[folder]["output_dir"]) /
-                                  "summary.json").read_text())
-            assert trainer["gradient_accumulation_steps"] == accumulation
+    for folder in ("hf_trainer fsdp x2", "hf_trainer fsdp x2 packed"):
+        trainer = json.loads((Path(runs_of(results, "wide vocab", 2)[folder]["output_dir"]) / "summary.json")
+                             .read_text())
+        assert trainer["gradient_accumulation_steps"] == 2
 
 
 def test_useful_tokens_are_counted_alike_for_the_trainer(quick):
@@ -106,7 +105,7 @@ def test_useful_tokens_are_counted_alike_for_the_trainer(quick):
     their games' tokens: fewer per step, and that difference is what useful tokens/s measures.
     Both Trainer runs really ran FSDP, on the CPU too."""
     _, results, _ = quick
-    for model, accumulation in (("built-in", 1), ("wide vocab", 2)):
+    for model, accumulation in [("wide vocab", 2)]:
         runs = runs_of(results, model, accumulation)
         for name in ("ddp x2", "fsdp FULL_SHARD x2", "hf_trainer fsdp x2 packed"):
             assert runs[name]["tokens_per_step"] == 16 * 127, name
@@ -119,7 +118,7 @@ def test_useful_tokens_are_counted_alike_for_the_trainer(quick):
 
 def test_ddp_and_fsdp_take_the_same_steps_with_and_without_accumulate_unsharded(quick):
     _, results, _ = quick
-    for model, accumulation in (("built-in", 1), ("wide vocab", 2)):
+    for model, accumulation in [("wide vocab", 2)]:
         runs = runs_of(results, model, accumulation)
         losses = {name: [json.loads(line)["loss"] for line in
                          (Path(row["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
@@ -132,7 +131,7 @@ def test_ddp_and_fsdp_take_the_same_steps_with_and_without_accumulate_unsharded(
 def test_full_shard_keeps_half_of_ddp_state_per_rank(quick):
     """Measured bytes of parameters, gradients and AdamW state per rank, not assumed."""
     _, results, _ = quick
-    for model, accumulation in (("built-in", 1), ("wide vocab", 2)):
+    for model, accumulation in [("wide vocab", 2)]:
         runs = runs_of(results, model, accumulation)
         ddp, fsdp = runs["ddp x2"]["state_mib_per_rank"], runs["fsdp FULL_SHARD x2"]["state_mib_per_rank"]
         assert ddp > 0 and abs(fsdp / (ddp / 2) - 1) <= 0.02
@@ -163,10 +162,10 @@ def test_targets_are_checked_and_printed(quick):
     per_block = Counter((target["model"], target["accumulation"]) for target in results["targets"])
     # FULL_SHARD ÷ DDP, ÷ the Trainer, ÷ the Trainer on packed rows; at accumulation 2 also with the option;
     # state bytes once per model (they do not depend on the accumulation)
-    assert per_block == {("built-in", 1): 3, ("wide vocab", 2): 6, ("built-in", None): 1, ("wide vocab", None): 1}
+    assert per_block == {("wide vocab", 2): 6, ("built-in", None): 1, ("wide vocab", None): 1}
     assert sum("--accumulate_unsharded" in target["target"] for target in results["targets"]) == 3
     for target in results["targets"]:
-        assert (target["met"] is None) == target["target"].startswith("for information"), target
+        assert target["met"] in (True, False), target  # every ratio has a target
     table = (out / "results.md").read_text()
     assert "Targets (ratios from this run" in table
     for target in results["targets"]:
