@@ -14,6 +14,7 @@ import sys
 import time
 
 import psutil
+import pytest
 
 from conftest import REPO, STEP_SCRIPTS, demo_args, run_step
 from test_faults import ranks_of
@@ -85,3 +86,58 @@ def test_profile_steps_writes_a_trace_and_a_summary_per_rank(demo, tmp_path):
 def test_profile_steps_is_checked_before_anything_runs(demo, tmp_path):
     result = run_step("single", demo_args(demo, tmp_path / "run") + ["--profile_steps", "5-2"], check=False)
     assert result.returncode == 2 and "--profile_steps" in result.stderr and not (tmp_path / "run").exists()
+
+
+RANKS = '''
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from common.errors import leave_after_success
+from common.hang import Watchdog
+
+case, folder = sys.argv[1], Path(sys.argv[2])
+dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+rank = dist.get_rank()
+watchdog = Watchdog(folder, 3)
+for step in (1, 2, 3):
+    watchdog.phase("training", step)
+    dist.all_reduce(torch.ones(4))
+    if step == 2:
+        watchdog.phase("evaluation", step)
+        if not (case == "skips the evaluation" and rank == 1):
+            dist.all_reduce(torch.ones(2))  # the evaluation's sums
+        watchdog.phase("checkpoint", step)
+        if case == "sticks in I/O" and rank == 1:
+            time.sleep(600)  # a write to a file system that never answers
+        dist.barrier()
+watchdog.done()
+dist.destroy_process_group()
+leave_after_success()
+'''
+
+
+@pytest.mark.parametrize("case, said", [
+    # rank 1 sleeps in the checkpoint phase: its own watchdog reports it busy there, rank 0 waits
+    ("sticks in I/O", r"no progress for 3 s in checkpoint of step 2: rank 0 waiting in barrier \(ranks\.py:\d+\); "
+                      r"rank 1 busy in <module> \(ranks\.py:\d+\)"),
+    # rank 1 skips the evaluation's collective: the ranks wait in different collectives and phases
+    ("skips the evaluation", r"no progress for 3 s in checkpoint of step 2 / evaluation of step 2: rank 0 waiting in "
+                             r"all_reduce \(ranks\.py:\d+\); rank 1 waiting in barrier \(ranks\.py:\d+\)"),
+])
+def test_a_rank_that_sticks_or_skips_a_collective_ends_the_job_with_one_line(tmp_path, case, said):
+    """The other two cases of the issue, on the watchdog alone (2 gloo ranks, a 3 s timeout)."""
+    script = tmp_path / "ranks.py"
+    script.write_text(RANKS)
+    done = subprocess.run([sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc-per-node=2",
+                           str(script), case, str(tmp_path / "hang")], capture_output=True, text=True, timeout=120,
+                          cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 3, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and re.search(said, errors[0]), done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "hang").iterdir()) == ["stacks-rank0.txt", "stacks-rank1.txt"]
