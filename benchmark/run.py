@@ -42,7 +42,7 @@ SEQ_LENGTH = 128
 LEARNING_RATE = 3e-3
 FULL_STEPS, QUICK_STEPS = 20, 3
 ROUNDS = 2  # of the runs the targets compare (the full benchmark)
-QUICK_BLOCKS = [("wide vocab", 2)]  # --quick: the block with every compared run (the bytes: both models)
+QUICK_BLOCKS = [("wide vocab", 2)]  # --quick: the block with every compared run, and its model's bytes
 UNSHARDED = "--accumulate_unsharded"
 MICRO_BATCHES = 2  # of the bytes measurement's optimiser steps
 SHARD_GROUP_SIZE = 2  # HYBRID_SHARD's ranks per shard group in the bytes measurement (4 ranks: 2 x 2, as the runs)
@@ -400,7 +400,7 @@ def main():
     rows += [run_configuration(run, models, args, steps) for run in others]
     rank_counts = sorted({row["ranks"] for row in rows} - {1})
     measured = {model: {ranks: measure_bytes(model, model_dir, ranks, args) for ranks in rank_counts}
-                for model, model_dir in models.items()}
+                for model, model_dir in models.items() if model in {row["model"] for row in rows}}
     state_bytes = {model: {ranks: held["after_step"] for ranks, held in by_ranks.items()}
                    for model, by_ranks in measured.items()}
     accumulation_bytes = {model: {name: by_ranks[2]["between_micro_batches"][name]
