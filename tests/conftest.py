@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -87,6 +88,20 @@ def run_step(step, args, nproc=1, timeout=600, check=True):
     if check and result.returncode != 0:
         raise AssertionError(f"{step} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     return result
+
+
+def run_ranks(tmp_path, source, nproc=2, timeout=300):
+    """`source` as a script under torchrun (gloo, `nproc` CPU processes); its output, rank by rank
+    (each rank prints to its own file: lines printed at once on one stdout can interleave). Each rank
+    leaves as the kit's ranks do (common/errors.py: leave_after_success), so that a gloo group's
+    worker thread cannot abort a finished rank while Python shuts down."""
+    script = tmp_path / "ranks.py"
+    stdout = f"{str(tmp_path)!r} + '/stdout-rank' + os.environ['RANK'] + '.txt'"
+    own_file = f"import os, sys\nsys.stdout = open({stdout}, 'w', buffering=1)\n"
+    leave = "from common.errors import leave_after_success\nleave_after_success()\n"
+    script.write_text(own_file + textwrap.dedent(source) + leave)
+    run_step(script, [], nproc=nproc, timeout=timeout)
+    return "".join((tmp_path / f"stdout-rank{rank}.txt").read_text() for rank in range(nproc))  # rank by rank
 
 
 def read_metrics(output_dir):

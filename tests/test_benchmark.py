@@ -80,6 +80,7 @@ def runs_of(results, model, accumulation):
 def test_quick_runs_every_compared_configuration(quick):
     out, results, _ = quick
     compared = ["ddp x2", "fsdp FULL_SHARD x2", "hf_trainer fsdp x2", "hf_trainer fsdp x2 packed"]
+    assert benchmark_run.QUICK_BLOCKS == [("wide vocab", 2)]  # the block with every compared run
     assert {(row["model"], row["accumulation"]) for row in results["runs"]} == {("wide vocab", 2)}
     assert list(runs_of(results, "wide vocab", 2)) == compared[:2] + ["fsdp FULL_SHARD x2 --accumulate_unsharded"] \
         + compared[2:]
@@ -105,7 +106,7 @@ def test_useful_tokens_are_counted_alike_for_the_trainer(quick):
     their games' tokens: fewer per step, and that difference is what useful tokens/s measures.
     Both Trainer runs really ran FSDP, on the CPU too."""
     _, results, _ = quick
-    for model, accumulation in [("wide vocab", 2)]:
+    for model, accumulation in benchmark_run.QUICK_BLOCKS:
         runs = runs_of(results, model, accumulation)
         for name in ("ddp x2", "fsdp FULL_SHARD x2", "hf_trainer fsdp x2 packed"):
             assert runs[name]["tokens_per_step"] == 16 * 127, name
@@ -118,7 +119,7 @@ def test_useful_tokens_are_counted_alike_for_the_trainer(quick):
 
 def test_ddp_and_fsdp_take_the_same_steps_with_and_without_accumulate_unsharded(quick):
     _, results, _ = quick
-    for model, accumulation in [("wide vocab", 2)]:
+    for model, accumulation in benchmark_run.QUICK_BLOCKS:
         runs = runs_of(results, model, accumulation)
         losses = {name: [json.loads(line)["loss"] for line in
                          (Path(row["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
@@ -131,7 +132,7 @@ def test_ddp_and_fsdp_take_the_same_steps_with_and_without_accumulate_unsharded(
 def test_full_shard_keeps_half_of_ddp_state_per_rank(quick):
     """Measured bytes of parameters, gradients and AdamW state per rank, not assumed."""
     _, results, _ = quick
-    for model, accumulation in [("wide vocab", 2)]:
+    for model, accumulation in benchmark_run.QUICK_BLOCKS:
         runs = runs_of(results, model, accumulation)
         ddp, fsdp = runs["ddp x2"]["state_mib_per_rank"], runs["fsdp FULL_SHARD x2"]["state_mib_per_rank"]
         assert ddp > 0 and abs(fsdp / (ddp / 2) - 1) <= 0.02

@@ -6,7 +6,6 @@ import os
 import shutil
 import subprocess
 import sys
-import textwrap
 from datetime import timedelta
 from pathlib import Path
 
@@ -18,21 +17,7 @@ from common import checkpoint, process_group
 from common.arguments import COLLECTIVE_TIMEOUT_S, check_arguments
 from common.errors import UserError
 from launch.steps import load_step
-from conftest import REPO, run_step
-
-
-def run_ranks(tmp_path, source, nproc=2):
-    """`source` as a script under torchrun (gloo, `nproc` CPU processes); its output, rank by rank
-    (each rank prints to its own file: lines printed at once on one stdout can interleave). Each rank
-    leaves as the kit's ranks do (common/errors.py: leave_after_success), so that a gloo group's
-    worker thread cannot abort a finished rank while Python shuts down."""
-    script = tmp_path / "ranks.py"
-    stdout = f"{str(tmp_path)!r} + '/stdout-rank' + os.environ['RANK'] + '.txt'"
-    own_file = f"import os, sys\nsys.stdout = open({stdout}, 'w', buffering=1)\n"
-    leave = "from common.errors import leave_after_success\nleave_after_success()\n"
-    script.write_text(own_file + textwrap.dedent(source) + leave)
-    run_step(script, [], nproc=nproc, timeout=300)
-    return "".join((tmp_path / f"stdout-rank{rank}.txt").read_text() for rank in range(nproc))  # rank by rank
+from conftest import REPO, run_ranks
 
 
 # ---- the process group ------------------------------------------------------------------------
