@@ -96,23 +96,28 @@ def greedy_tokens(model, prompts, steps, pad_id, device):
 
 
 @torch.no_grad()
-def legal_moves(model, tokenizer, notation, prefixes, batch_size, max_seq_length, device, stop=None):
-    """For each prefix (a list of UCI moves): is the model's greedy next move legal there? The
-    prefix is shown in `notation`; what the model writes is read back as a move in it and checked
-    with python-chess."""
+def answers(model, tokenizer, notation, prefixes, batch_size, max_seq_length, device, stop=None):
+    """For each prefix (a list of UCI moves), shown in `notation`: the text the model writes
+    greedily after it, long enough to hold one move."""
     steps = tokens_per_move(tokenizer, notation)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    verdicts = []
+    texts = []
     for first in range(0, len(prefixes), batch_size):
         check_stop(stop)
         chunk = prefixes[first: first + batch_size]
         prompts = [[tokenizer.bos_token_id, *tokenizer(game_text(notation, p), add_special_tokens=False)["input_ids"]]
                    for p in chunk]
         prompts = [p[-(max_seq_length - steps):] for p in prompts]
-        for prefix, written in zip(chunk, greedy_tokens(model, prompts, steps, pad_id, device)):
-            text = tokenizer.decode(written, skip_special_tokens=True)
-            verdicts.append(legal_in(board_after(prefix), notation, text))
-    return verdicts
+        texts += [tokenizer.decode(written, skip_special_tokens=True)
+                  for written in greedy_tokens(model, prompts, steps, pad_id, device)]
+    return texts
+
+
+def legal_moves(model, tokenizer, notation, prefixes, batch_size, max_seq_length, device, stop=None):
+    """For each prefix: is the model's greedy next move legal there? What it writes is read back as
+    a move in the notation and checked with python-chess."""
+    texts = answers(model, tokenizer, notation, prefixes, batch_size, max_seq_length, device, stop)
+    return [legal_in(board_after(prefix), notation, text) for prefix, text in zip(prefixes, texts)]
 
 
 def legal_move_sums(model, tokenizer, notation, prefixes, batch_size, max_seq_length, device, stop=None):

@@ -109,8 +109,12 @@ def longest_move_text(notation):
 def first_move(notation, text):
     """The first move written in `text` (what the model generated): (the move, the piece it names,
     or None in UCI), or None if the text does not start with a well-formed move. A check marker
-    after it is the model's claim, not part of the move: it is not judged."""
+    is the model's claim, not part of the move, and is not judged: after the move, nor before it,
+    where it closes the position's last move (a prompt ends after a move's squares, where `+`
+    may still follow; had that move given check, the prompt would hold its `+`)."""
     words = text.split()
+    if notation == "piece" and words[:1] == [CHECK]:
+        words = words[1:]
     if notation == "uci":
         uci, piece = words[0] if words else "", None
     elif len(words) >= 3 and words[0] in PIECES and words[1] in SQUARES and words[2] in SQUARES:

@@ -60,6 +60,8 @@ def test_a_generated_move_is_read_back_and_its_piece_checked():
     board = chess.Board()
     assert legal_in(board, "piece", "N g1 f3 p e7")  # what follows the move does not matter
     assert legal_in(board, "piece", "P e2 e4 +")  # nor a check it claims
+    assert legal_in(board, "piece", "+ P e2 e4")  # nor one it claims for the move before
+    assert not legal_in(board, "piece", "+ + P e2 e4") and not legal_in(board, "piece", "+")
     assert not legal_in(board, "piece", "N e2 e4")  # a legal move, but not the knight's
     assert not legal_in(board, "piece", "n g1 f3")  # black's knight: not on g1, and not black's turn
     assert not legal_in(board, "piece", "P e2 e5")
