@@ -163,7 +163,7 @@ def build(args, step, mesh, config, fake_mode, accumulation):
         model.set_reshard_after_forward(False)
     with fake_mode:
         model.to_empty(device="cpu")
-        # Multi-tensor AdamW, as PyTorch picks on a GPU; offloaded, the step runs on the CPU, one tensor at a time.
+        # Multi-tensor AdamW, as PyTorch picks on a GPU; offloaded, the step runs on the CPU (nothing on the GPU).
         optimizer = make_optimizer(model, args, foreach=not args.cpu_offload)
     return model, optimizer
 
