@@ -52,3 +52,28 @@ def test_no_script_edits_sys_path():
     offenders = [str(path.relative_to(REPO)) for path in REPO.rglob("*.py")
                  if ".venv" not in path.parts and edit in path.read_text()]
     assert offenders == []
+
+
+def imported_packages(path):
+    """The top-level names a file imports (import x.y / from x.y import z)."""
+    import ast
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_the_lessons_and_common_stand_on_their_own():
+    """common/ and the step scripts import neither the launchers (launch/) nor the tools, the
+    benchmarks or submit.py, and none of them loads a script by its path: the folders form layers
+    (steps -> common), so a lesson never depends on a later one or on what runs it."""
+    above = {"launch", "tools", "benchmark", "submit", "play"}
+    files = [*(REPO / "common").glob("*.py"), *(REPO / step / "train.py" for step in
+                                                ("02_singlegpu", "03_ddp", "04_fsdp", "05_lora"))]
+    offenders = {str(path.relative_to(REPO)): sorted(imported_packages(path) & above) for path in files}
+    assert {name: found for name, found in offenders.items() if found} == {}
+    by_path = ("spec_from_file_location", "run_path", "SourceFileLoader")
+    assert [str(p.relative_to(REPO)) for p in files if any(call in p.read_text() for call in by_path)] == []
