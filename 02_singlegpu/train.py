@@ -94,7 +94,7 @@ def main():
     prefixes = game_prefixes(read_games(args.data_dir, "validation", args.eval_games), args.eval_games, args.seed)
     eval_rows = share_of_rank(eval_rows, 0, 1, "rows")
     prefixes = share_of_rank(prefixes, 0, 1, "game prefixes")
-    sampler = GlobalBatchSampler(len(train_rows), args.total_batch_size, args.batch_size_per_device,
+    sampler = GlobalBatchSampler(train_rows, args.total_batch_size, args.batch_size_per_device,
                                  rank=0, world_size=1, seed=args.seed, max_steps=args.max_steps)
 
     # Every input is checked; only now does the run write (and --overwrite delete the old run).

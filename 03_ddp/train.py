@@ -109,7 +109,7 @@ def main():
     # Each rank evaluates its share (the same count on every rank), then the sums are added up.
     eval_rows = share_of_rank(eval_rows, rank, world_size, "rows")
     prefixes = share_of_rank(prefixes, rank, world_size, "game prefixes")
-    sampler = GlobalBatchSampler(len(train_rows), args.total_batch_size, args.batch_size_per_device,
+    sampler = GlobalBatchSampler(train_rows, args.total_batch_size, args.batch_size_per_device,
                                  rank=rank, world_size=world_size, seed=args.seed, max_steps=args.max_steps)
 
     # Every input is checked; only now does the run write (and --overwrite delete the old run).

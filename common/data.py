@@ -2,8 +2,8 @@
 
 The lesson of the steps is that they optimise the same thing. That holds only if every step sees
 the same samples in each optimiser step, whatever the world size and the gradient-accumulation
-split. So the data order is defined per *global* batch, and each rank simply takes its slice of
-it (see `GlobalBatchSampler`). The rows themselves are memory-mapped (common/prepare_data.py):
+split. So the data order is defined per *global* batch, and each rank takes its share of it
+(see `GlobalBatchSampler`). The rows themselves are memory-mapped (common/prepare_data.py):
 a rank reads only the rows of its batches, whatever the size of the data set.
 """
 import functools
@@ -63,17 +63,21 @@ class GlobalBatchSampler:
     """Yields, for this rank, the index lists of its micro-batches, step after step.
 
     Optimiser step s uses global batch s: `total_batch_size` consecutive positions of a seeded
-    shuffle of the rows (a new shuffle each epoch). Rank r takes the r-th contiguous slice and
-    cuts it into micro-batches of `batch_size_per_device` rows (common/batch.py has checked that
-    they divide). The global batch never depends on how it is split, so 1 GPU × 4 micro-batches
-    and 4 GPUs × 1 see the same rows, and resuming at step s needs nothing but s.
+    shuffle of the rows (a new shuffle each epoch). The global batch never depends on how it is
+    split, so 1 GPU × 4 micro-batches and 4 GPUs × 1 see the same rows, and resuming at step s
+    needs nothing but s. How it is split is `split_by_length`'s: rows of unequal length (one game
+    per row) are shared out so that every rank gets about as many tokens, since the ranks wait
+    for the slowest at each step's gradient reduction.
     """
 
-    def __init__(self, num_rows, total_batch_size, batch_size_per_device, rank, world_size, seed, max_steps):
-        self.global_batch_size, self.per_rank = total_batch_size, total_batch_size // world_size
+    def __init__(self, rows, total_batch_size, batch_size_per_device, rank, world_size, seed, max_steps):
+        """`rows`: the training rows (common/prepare_data.TokenRows: their count and each row's length)."""
+        num_rows = len(rows)
+        self.global_batch_size, self.world_size = total_batch_size, world_size
         if num_rows < total_batch_size:
             raise UserError(f"the data has {num_rows} rows but one global batch needs {total_batch_size} "
                             "(--total_batch_size): use more data or a smaller --total_batch_size")
+        self.row_lengths = rows.row_lengths
         self.micro, self.rank = batch_size_per_device, rank
         self.start_step, self.max_steps = 0, max_steps
         self.steps_per_epoch = num_rows // self.global_batch_size
@@ -91,12 +95,27 @@ class GlobalBatchSampler:
 
     def __iter__(self):
         for step in range(self.start_step, self.max_steps):
-            mine = self.global_batch(step)[self.rank * self.per_rank: (self.rank + 1) * self.per_rank]
-            for first in range(0, self.per_rank, self.micro):
+            batch = self.global_batch(step)
+            mine = split_by_length(batch, self.row_lengths(batch), self.world_size)[self.rank]
+            for first in range(0, len(mine), self.micro):
                 yield mine[first: first + self.micro]
 
     def __len__(self):
-        return (self.max_steps - self.start_step) * (self.per_rank // self.micro)
+        return (self.max_steps - self.start_step) * (self.global_batch_size // self.world_size // self.micro)
+
+
+def split_by_length(rows, lengths, parts):
+    """`rows` (a global batch) in `parts` equal shares of about as many tokens each: longest first,
+    each row to the share with the fewest tokens that still has room. Each share is in decreasing
+    length, so its consecutive micro-batches hold rows of similar length and little padding. The
+    same rows and lengths always give the same shares (ties go by position in the batch)."""
+    per_part = len(rows) // parts
+    shares, tokens = [[] for _ in range(parts)], [0] * parts
+    for i in sorted(range(len(rows)), key=lambda i: (-lengths[i], i)):
+        part = min((p for p in range(parts) if len(shares[p]) < per_part), key=lambda p: (tokens[p], p))
+        shares[part].append(rows[i])
+        tokens[part] += lengths[i]
+    return shares
 
 
 def collate(rows, pad_id):

@@ -381,6 +381,14 @@ class TokenRows(torch.utils.data.Dataset):
     def __len__(self):
         return self.meta["rows"]
 
+    def row_lengths(self, indices):
+        """The token counts of these rows (packed rows all have max_seq_length), read from the map."""
+        if self.pack:
+            return [self.max_seq_length] * len(indices)
+        if self._tokens is None:
+            self._open()
+        return self._lengths[np.asarray(indices, dtype=np.int64)].tolist()
+
     def __getitem__(self, index):
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]

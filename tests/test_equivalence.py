@@ -52,3 +52,35 @@ def test_gradient_checkpointing_changes_memory_not_maths(single_reference, demo,
     run_step("single", demo_args(demo, tmp_path) + EQUIVALENCE + [
         "--total_batch_size", 8, "--batch_size_per_device", 2, "--gradient_checkpointing"])
     assert_same_run(single_reference, tmp_path, tolerance=1e-5)
+
+
+@pytest.mark.quick
+def test_every_world_size_shares_out_the_same_global_batch_by_tokens(demo, tmp_path):
+    """The sampler on real unpacked rows (one game each, of unequal length): at 1, 2 and 4 ranks each
+    step's shares together are exactly the global batch, every rank gets as many rows, and the
+    ranks' token counts differ by less than one row's (the ranks wait for the slowest at each
+    step). A micro-batch holds rows of similar length: little padding."""
+    from transformers import AutoTokenizer
+
+    from common.data import GlobalBatchSampler
+    from common.prepare_data import prepared_rows
+    tokenizer = AutoTokenizer.from_pretrained(demo / "model")
+    rows = prepared_rows(demo / "data", "validation", tokenizer, 1024, False, cache_dir=tmp_path, notation="piece")
+    steps, total, micro = 5, 16, 2
+    shares = {}
+    for ranks in (1, 2, 4):
+        per_rank = [list(GlobalBatchSampler(rows, total, micro, rank, ranks, seed=3, max_steps=steps))
+                    for rank in range(ranks)]
+        shares[ranks] = [[sum(rank[s * total // ranks // micro: (s + 1) * total // ranks // micro], [])
+                          for rank in per_rank] for s in range(steps)]
+    reference = GlobalBatchSampler(rows, total, micro, 0, 1, seed=3, max_steps=steps)
+    for step in range(steps):
+        batch = reference.global_batch(step)
+        longest = max(rows.row_lengths(batch))
+        for ranks, by_step in shares.items():
+            mine = by_step[step]
+            assert sorted(sum(mine, [])) == sorted(batch) and {len(m) for m in mine} == {total // ranks}
+            tokens = [sum(rows.row_lengths(m)) for m in mine]
+            assert max(tokens) - min(tokens) < longest, (ranks, tokens)
+    lengths = rows.row_lengths(shares[1][0][0])
+    assert lengths == sorted(lengths, reverse=True)  # one rank: its micro-batches go from long to short
