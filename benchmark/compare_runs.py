@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from common.errors import UserError, exit_on_user_error
+from common.run_dir import RunDir
 
 COLUMNS = [("run", "run"), ("world_size", "ranks"), ("final_loss", "final loss"), ("eval_loss", "eval loss"),
            ("tokens_per_s", "tokens/s"), ("peak_rss_mib_per_rank", "peak MiB/rank"),
@@ -27,7 +28,7 @@ def markdown_table(summaries):
 def step_losses(run_dir):
     """{step: training loss} from metrics.jsonl; a resumed run's repeated steps keep the last."""
     losses = {}
-    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+    for line in RunDir(run_dir).metrics.read_text().splitlines():
         try:
             record = json.loads(line)
         except json.JSONDecodeError:  # a line cut short by a killed run
@@ -69,7 +70,7 @@ def main(argv=None):
         raise UserError("give one or more run directories (each with summary.json and metrics.jsonl)")
     summaries = []
     for run_dir in run_dirs:
-        path = run_dir / "summary.json"
+        path = RunDir(run_dir).summary
         if not path.is_file():
             raise UserError(f"{path} is missing: did that run finish?")
         summaries.append(json.loads(path.read_text()))

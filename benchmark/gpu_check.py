@@ -53,6 +53,7 @@ from common.metrics import peak_flops
 from common.model import DEMO_DOWNLOAD, load_config
 from common.notation import CONFIG_KEY as NOTATION_KEY
 from common.notation import model_notation
+from common.run_dir import RunDir
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -157,7 +158,7 @@ class Runner:
 
 
 def read_records(output_dir):
-    path = Path(output_dir) / "metrics.jsonl"
+    path = RunDir(output_dir).metrics
     if not path.exists():
         return []
     lines = path.read_text().splitlines()

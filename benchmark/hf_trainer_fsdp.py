@@ -34,6 +34,7 @@ from common.errors import exit_on_user_error
 from common.model import load_config, load_model, load_tokenizer
 from common.notation import model_notation
 from common.prepare_data import prepared_rows
+from common.run_dir import RunDir
 
 
 def parse_arguments():
@@ -93,7 +94,7 @@ def main():
     dist.all_gather_object(peaks, {"peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)})
     if trainer.is_world_process_zero():
         records = clock.records(world_size)
-        with (output_dir / "metrics.jsonl").open("w") as out:
+        with RunDir(output_dir).metrics.open("w") as out:
             out.writelines(json.dumps(record) + "\n" for record in records)
         timed = records[1:] or records  # as the step scripts: leave out step 1 (start-up costs)
         tokens_per_s = sum(r["tokens"] for r in timed) / sum(r["step_time_s"] for r in timed)
@@ -104,7 +105,7 @@ def main():
                    "peak_rss_mib_per_rank": max(p["peak_rss_mib"] for p in peaks),
                    "packing": args.packing, "gradient_accumulation_steps": accumulation,
                    "wrapped_as": type(trainer.model_wrapped).__name__}  # FSDP2 names its class FSDP<model class>
-        (output_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        RunDir(output_dir).summary.write_text(json.dumps(summary, indent=1) + "\n")
         print("hf_trainer_fsdp: " + "  ".join(f"{k}={v}" for k, v in summary.items()), flush=True)
     # accelerate leaves its process group open; the kit's ranks close theirs (and then leave
     # without the interpreter's shutdown: common/errors.py's leave_after_success says why)

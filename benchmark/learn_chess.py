@@ -37,6 +37,7 @@ from common.arguments import REPO, Parser, at_least
 from common.chess_eval import TrigramBaseline, answers, game_prefixes, held_out_split, phase_of
 from common.errors import UserError, exit_on_user_error
 from common.notation import CHECK, NOTATIONS, board_after, legal_in, model_notation
+from common.run_dir import RunDir
 from launch.steps import load_step
 
 SAMPLE = REPO / "01_download" / "chess_sample.parquet"
@@ -100,7 +101,7 @@ def untrained_figures(output):
 
 def curve(run_dir, untrained_rate, untrained_loss):
     """(tokens seen, seconds since training started, step, validation loss, legal-move rate) at each evaluation."""
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in RunDir(run_dir).metrics.read_text().splitlines()]
     points, seen = [(0, 0.0, 0, untrained_loss, untrained_rate)], 0
     for record in records:
         seen += record["tokens"]
@@ -246,7 +247,7 @@ def main():
     curve_baseline = sum(map(baseline.is_legal, curve_positions)) / len(curve_positions)
     print(f"evaluating the final model on {len(held_out):,} held-out positions ...", flush=True)
     torch.set_num_threads(len(os.sched_getaffinity(0)))
-    final = final_evaluation(run_dir / "final", train, held_out, args.max_seq_length, args.seed)
+    final = final_evaluation(RunDir(run_dir).final, train, held_out, args.max_seq_length, args.seed)
     wall_s = time.time() - began
     # CPU seconds of this command and all it ran: on a shared machine the wall time also
     # says how busy the neighbours were

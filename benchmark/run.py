@@ -31,6 +31,7 @@ from typing import NamedTuple
 from common.arguments import DEMO_DIR, REPO, Parser
 from common.errors import UserError, exit_on_user_error
 from common.model import DEMO_DOWNLOAD
+from common.run_dir import RunDir
 
 SCRIPTS = {"single": "02_singlegpu/train.py", "ddp": "03_ddp/train.py", "fsdp": "04_fsdp/train.py",
            "hf_trainer": "benchmark/hf_trainer_fsdp.py"}
@@ -175,8 +176,8 @@ def run_configuration(run, models, args, steps):
     print(f"== {run.model}, accumulation {run.accumulation}, {run.name}: {SCRIPTS[run.script]} on {run.ranks} "
           "rank(s)", flush=True)
     wall = launch(SCRIPTS[run.script], run.ranks, arguments, output_dir / "log.txt", args.timeout)
-    summary = json.loads((output_dir / "summary.json").read_text())
-    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads(RunDir(output_dir).summary.read_text())
+    records = [json.loads(line) for line in RunDir(output_dir).metrics.read_text().splitlines()]
     row = {"model": run.model, "accumulation": run.accumulation, "name": run.name, "script": SCRIPTS[run.script],
            "ranks": run.ranks, "arguments": [str(a) for a in run.extra], "output_dir": str(output_dir),
            "steps": len(records), "tokens_per_step": round(sum(r["tokens"] for r in records) / len(records)),

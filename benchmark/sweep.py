@@ -34,6 +34,7 @@ from pathlib import Path
 
 from common.arguments import DEMO_DIR, REPO, Parser, at_least
 from common.errors import UserError, exit_on_user_error
+from common.run_dir import RunDir
 import submit
 from benchmark import run as benchmark_run
 from launch.steps import check_training_arguments
@@ -83,10 +84,10 @@ def read_run(run):
     memory (its logs say so), or no result yet."""
     output_dir = Path(run["output_dir"])
     logs = "".join(Path(log).read_text(errors="replace") for log in run["logs"] if Path(log).is_file())
-    if not (output_dir / "summary.json").is_file():
+    if not RunDir(output_dir).summary.is_file():
         run["status"] = "out of memory" if out_of_memory(logs) else f"no result (see {run['logs'][0]})"
         return run
-    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in RunDir(output_dir).metrics.read_text().splitlines()]
     timed = records[1:]  # step 1 warms up (allocator, first collectives)
     seconds, last = sum(r["step_time_s"] for r in timed), records[-1]
     tokens_per_s = sum(r["tokens"] for r in timed) / seconds
@@ -102,8 +103,9 @@ def drop_weights(run):
     """The sweep keeps figures, not weights: a few steps' checkpoint and final model of a 7B model
     take 135 GB. Only of a run that has ended (a Slurm task may still be writing)."""
     if run["status"] in ("ok", "out of memory"):
-        for folder in ("checkpoints", "final"):
-            shutil.rmtree(Path(run["output_dir"]) / folder, ignore_errors=True)
+        run_dir = RunDir(run["output_dir"])
+        for folder in (run_dir.checkpoints_dir, run_dir.final):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def run_locally(args):
