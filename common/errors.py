@@ -1,6 +1,7 @@
 """One clear line for a user's mistake, instead of a traceback."""
 import os
 import sys
+import time
 
 
 class UserError(Exception):
@@ -46,7 +47,7 @@ def exit_on_user_error(main):
     except UserError as err:
         if speaks:
             print(f"error: {err}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        leave_after_user_error(speaks)
     except KeyboardInterrupt:
         if speaks:
             note = _where_to_continue() if _where_to_continue else "nothing was saved"
@@ -75,11 +76,24 @@ def leave_after_success():
     still has worker threads, and one of them freeing a finished collective's tensors needs
     Python; while Python shuts down, that aborts the process ("terminate called without an
     active exception") and fails a job that has done its work. By now the run has closed
-    everything it wrote; only the standard streams need flushing. (Failures keep the normal
-    exit: its slower shutdown leaves rank 0 time to say why before torchrun stops the others.)"""
+    everything it wrote; only the standard streams need flushing."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def leave_after_user_error(speaks):
+    """Exit 2. Under torchrun without the interpreter's shutdown, as after a success: the gloo
+    threads that outlive the run can abort any rank while Python shuts down, and torchrun would
+    then report that rank's SIGABRT instead of the user's mistake. The other ranks give rank 0 a
+    moment to print its line first, since torchrun stops every rank when the first one exits."""
+    if not LAUNCHED_BY_TORCHRUN:
+        sys.exit(2)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if not speaks:
+        time.sleep(1)
+    os._exit(2)
 
 
 def lost_another_rank(err):
