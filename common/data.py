@@ -65,9 +65,9 @@ class GlobalBatchSampler:
     Optimiser step s uses global batch s: `total_batch_size` consecutive positions of a seeded
     shuffle of the rows (a new shuffle each epoch). The global batch never depends on how it is
     split, so 1 GPU × 4 micro-batches and 4 GPUs × 1 see the same rows, and resuming at step s
-    needs nothing but s. How it is split is `split_by_length`'s: rows of unequal length (one game
-    per row) are shared out so that every rank gets about as many tokens, since the ranks wait
-    for the slowest at each step's gradient reduction.
+    needs nothing but s. How it is split is `split_by_length`'s: the same micro-batches at any
+    world size, shared out so that every rank gets about as much work (rows of unequal length,
+    one game per row), since the ranks wait for the slowest at each step's gradient reduction.
     """
 
     def __init__(self, rows, total_batch_size, batch_size_per_device, rank, world_size, seed, max_steps):
@@ -96,7 +96,7 @@ class GlobalBatchSampler:
     def __iter__(self):
         for step in range(self.start_step, self.max_steps):
             batch = self.global_batch(step)
-            mine = split_by_length(batch, self.row_lengths(batch), self.world_size)[self.rank]
+            mine = split_by_length(batch, self.row_lengths(batch), self.world_size, self.micro)[self.rank]
             for first in range(0, len(mine), self.micro):
                 yield mine[first: first + self.micro]
 
@@ -104,17 +104,21 @@ class GlobalBatchSampler:
         return (self.max_steps - self.start_step) * (self.global_batch_size // self.world_size // self.micro)
 
 
-def split_by_length(rows, lengths, parts):
-    """`rows` (a global batch) in `parts` equal shares of about as many tokens each: longest first,
-    each row to the share with the fewest tokens that still has room. Each share is in decreasing
-    length, so its consecutive micro-batches hold rows of similar length and little padding. The
-    same rows and lengths always give the same shares (ties go by position in the batch)."""
-    per_part = len(rows) // parts
-    shares, tokens = [[] for _ in range(parts)], [0] * parts
-    for i in sorted(range(len(rows)), key=lambda i: (-lengths[i], i)):
-        part = min((p for p in range(parts) if len(shares[p]) < per_part), key=lambda p: (tokens[p], p))
-        shares[part].append(rows[i])
-        tokens[part] += lengths[i]
+def split_by_length(rows, lengths, parts, micro):
+    """`rows` (a global batch) in `parts` equal shares of micro-batches of `micro` rows. The rows,
+    longest first, are cut into micro-batches (rows of similar length: little padding); each
+    micro-batch in turn, the costliest first, goes to the share with the least padded tokens
+    that still has room. A micro-batch is the same rows at any number of parts, so one process
+    accumulating them computes exactly what the ranks do; with one row per micro-batch the ranks
+    get about as many tokens. The same rows and lengths always give the same shares."""
+    order = sorted(range(len(rows)), key=lambda i: (-lengths[i], i))
+    per_part = len(rows) // micro // parts
+    shares, padded = [[] for _ in range(parts)], [0] * parts
+    for first in range(0, len(order), micro):
+        chunk = order[first: first + micro]
+        part = min((p for p in range(parts) if len(shares[p]) < per_part * micro), key=lambda p: (padded[p], p))
+        shares[part] += [rows[i] for i in chunk]
+        padded[part] += len(chunk) * lengths[chunk[0]]
     return shares
 
 

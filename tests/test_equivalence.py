@@ -57,8 +57,9 @@ def test_gradient_checkpointing_changes_memory_not_maths(single_reference, demo,
 @pytest.mark.quick
 def test_every_world_size_shares_out_the_same_global_batch_by_tokens(demo, tmp_path):
     """The sampler on real unpacked rows (one game each, of unequal length): at 1, 2 and 4 ranks each
-    step's shares together are exactly the global batch, every rank gets as many rows, and the
-    ranks' token counts differ by less than one row's (the ranks wait for the slowest at each
+    step's shares together are exactly the global batch, in the same micro-batches (one process
+    accumulating them computes what the ranks do), every rank gets as many rows, and the ranks'
+    padded tokens differ by less than one micro-batch's (the ranks wait for the slowest at each
     step). A micro-batch holds rows of similar length: little padding."""
     from transformers import AutoTokenizer
 
@@ -67,10 +68,13 @@ def test_every_world_size_shares_out_the_same_global_batch_by_tokens(demo, tmp_p
     tokenizer = AutoTokenizer.from_pretrained(demo / "model")
     rows = prepared_rows(demo / "data", "validation", tokenizer, 1024, False, cache_dir=tmp_path, notation="piece")
     steps, total, micro = 5, 16, 2
-    shares = {}
+    shares, micro_batches = {}, {}
     for ranks in (1, 2, 4):
         per_rank = [list(GlobalBatchSampler(rows, total, micro, rank, ranks, seed=3, max_steps=steps))
                     for rank in range(ranks)]
+        micro_batches[ranks] = [sorted(sorted(m) for rank in per_rank for m in rank[s * total // ranks // micro:
+                                                                                   (s + 1) * total // ranks // micro])
+                                for s in range(steps)]
         shares[ranks] = [[sum(rank[s * total // ranks // micro: (s + 1) * total // ranks // micro], [])
                           for rank in per_rank] for s in range(steps)]
     reference = GlobalBatchSampler(rows, total, micro, 0, 1, seed=3, max_steps=steps)
@@ -80,7 +84,9 @@ def test_every_world_size_shares_out_the_same_global_batch_by_tokens(demo, tmp_p
         for ranks, by_step in shares.items():
             mine = by_step[step]
             assert sorted(sum(mine, [])) == sorted(batch) and {len(m) for m in mine} == {total // ranks}
-            tokens = [sum(rows.row_lengths(m)) for m in mine]
-            assert max(tokens) - min(tokens) < longest, (ranks, tokens)
+            assert micro_batches[ranks][step] == micro_batches[1][step], ranks
+            padded = [sum(micro * max(rows.row_lengths(m[i: i + micro])) for i in range(0, len(m), micro))
+                      for m in mine]
+            assert max(padded) - min(padded) < micro * longest, (ranks, padded)
     lengths = rows.row_lengths(shares[1][0][0])
     assert lengths == sorted(lengths, reverse=True)  # one rank: its micro-batches go from long to short
