@@ -1,4 +1,5 @@
 """One clear line for a user's mistake, instead of a traceback."""
+import atexit
 import os
 import sys
 import time
@@ -85,10 +86,12 @@ def leave_after_success():
 def leave_after_user_error(speaks):
     """Exit 2. Under torchrun without the interpreter's shutdown, as after a success: the gloo
     threads that outlive the run can abort any rank while Python shuts down, and torchrun would
-    then report that rank's SIGABRT instead of the user's mistake. The other ranks give rank 0 a
+    then report that rank's SIGABRT instead of the user's mistake. The exit handlers still run
+    (a tracker's run is finished and flushed, as on a normal exit). The other ranks give rank 0 a
     moment to print its line first, since torchrun stops every rank when the first one exits."""
     if not LAUNCHED_BY_TORCHRUN:
         sys.exit(2)
+    atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     if not speaks:
