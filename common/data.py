@@ -96,28 +96,27 @@ class GlobalBatchSampler:
     def __iter__(self):
         for step in range(self.start_step, self.max_steps):
             batch = self.global_batch(step)
-            mine = split_by_length(batch, self.row_lengths(batch), self.world_size, self.micro)[self.rank]
-            for first in range(0, len(mine), self.micro):
-                yield mine[first: first + self.micro]
+            yield from split_by_length(batch, self.row_lengths(batch), self.world_size, self.micro)[self.rank]
 
     def __len__(self):
         return (self.max_steps - self.start_step) * (self.global_batch_size // self.world_size // self.micro)
 
 
 def split_by_length(rows, lengths, parts, micro):
-    """`rows` (a global batch) in `parts` equal shares of micro-batches of `micro` rows. The rows,
-    longest first, are cut into micro-batches (rows of similar length: little padding); each
-    micro-batch in turn, the costliest first, goes to the share with the least padded tokens
-    that still has room. A micro-batch is the same rows at any number of parts, so one process
-    accumulating them computes exactly what the ranks do; with one row per micro-batch the ranks
-    get about as many tokens. The same rows and lengths always give the same shares."""
+    """`rows` (a global batch) in `parts` equal shares, each a list of micro-batches of `micro`
+    rows. The rows, longest first, are cut into micro-batches (rows of similar length: little
+    padding); each micro-batch in turn, the costliest first, goes to the share with the least
+    padded tokens that still has room. A micro-batch is the same rows at any number of parts, so
+    one process accumulating them computes exactly what the ranks do; with one row per
+    micro-batch the ranks get about as many tokens. The same rows and lengths always give the
+    same shares."""
     order = sorted(range(len(rows)), key=lambda i: (-lengths[i], i))
     per_part = len(rows) // micro // parts
     shares, padded = [[] for _ in range(parts)], [0] * parts
     for first in range(0, len(order), micro):
         chunk = order[first: first + micro]
-        part = min((p for p in range(parts) if len(shares[p]) < per_part * micro), key=lambda p: (padded[p], p))
-        shares[part] += [rows[i] for i in chunk]
+        part = min((p for p in range(parts) if len(shares[p]) < per_part), key=lambda p: (padded[p], p))
+        shares[part].append([rows[i] for i in chunk])
         padded[part] += len(chunk) * lengths[chunk[0]]
     return shares
 

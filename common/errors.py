@@ -78,9 +78,7 @@ def leave_after_success():
     Python; while Python shuts down, that aborts the process ("terminate called without an
     active exception") and fails a job that has done its work. By now the run has closed
     everything it wrote; only the standard streams need flushing."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_shutdown(0)
 
 
 def leave_after_user_error(speaks):
@@ -92,11 +90,15 @@ def leave_after_user_error(speaks):
     if not LAUNCHED_BY_TORCHRUN:
         sys.exit(2)
     atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
     if not speaks:
         time.sleep(1)
-    os._exit(2)
+    exit_without_shutdown(2)
+
+
+def exit_without_shutdown(status):
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def lost_another_rank(err):

@@ -72,11 +72,10 @@ def test_every_world_size_shares_out_the_same_global_batch_by_tokens(demo, tmp_p
     for ranks in (1, 2, 4):
         per_rank = [list(GlobalBatchSampler(rows, total, micro, rank, ranks, seed=3, max_steps=steps))
                     for rank in range(ranks)]
-        micro_batches[ranks] = [sorted(sorted(m) for rank in per_rank for m in rank[s * total // ranks // micro:
-                                                                                   (s + 1) * total // ranks // micro])
-                                for s in range(steps)]
-        shares[ranks] = [[sum(rank[s * total // ranks // micro: (s + 1) * total // ranks // micro], [])
-                          for rank in per_rank] for s in range(steps)]
+        per_step = total // ranks // micro  # micro-batches of one rank in one step
+        by_step = [[rank[s * per_step: (s + 1) * per_step] for rank in per_rank] for s in range(steps)]
+        micro_batches[ranks] = [sorted(sorted(m) for rank in step for m in rank) for step in by_step]
+        shares[ranks] = [[sum(rank, []) for rank in step] for step in by_step]
     reference = GlobalBatchSampler(rows, total, micro, 0, 1, seed=3, max_steps=steps)
     for step in range(steps):
         batch = reference.global_batch(step)
