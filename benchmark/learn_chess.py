@@ -44,6 +44,8 @@ SAMPLE = REPO / "01_download" / "chess_sample.parquet"
 LEARN_GAMES = REPO / "01_download" / "chess_learn.parquet"
 SCRIPTS = {1: REPO / "02_singlegpu" / "train.py", 2: REPO / "03_ddp" / "train.py"}
 PHASES = ("opening", "middle", "late")
+# Measured for this run's model and batch (benchmark/NOTES.md: The learning run's optimiser)
+LEARNING_RATES = {"muon": 9e-3, "adamw": 3e-3}
 
 # --quick: the whole path on a few games in a few steps; it says nothing about learning.
 QUICK = {"train_games": 300, "held_out": 24, "max_steps": 6, "eval_every": 3, "eval_games": 8,
@@ -82,7 +84,8 @@ def train_command(args, model_dir, data_dir, run_dir):
     options = {"model": model_dir, "data_dir": data_dir, "output_dir": run_dir,
                "prepared_dir": Path(args.out) / "prepared", "total_batch_size": args.total_batch_size,
                "batch_size_per_device": args.batch_size_per_device, "max_seq_length": args.max_seq_length,
-               "learning_rate": args.learning_rate, "warmup_steps": max(1, args.max_steps // 20),
+               "optimizer": args.optimizer, "learning_rate": args.learning_rate,
+               "warmup_steps": max(1, args.max_steps // 20),
                "max_steps": args.max_steps, "eval_every": args.eval_every, "eval_games": args.eval_games,
                "seed": args.seed, "device": "cpu"}
     # --no_packing: one game per row, from its first move, as the evaluation shows them; packed rows
@@ -195,7 +198,12 @@ def parse_arguments(argv=None):
     parser.add("batch_size_per_device", type=at_least(1), default=1,
                help="rows per forward pass; a pass pads its rows to the longest game, so fewer rows waste less")
     parser.add("max_seq_length", type=at_least(16), default=1024, help="tokens per row: whole games of up to 300 plies")
-    parser.add("learning_rate", type=float, default=3e-3, help="peak learning rate (cosine decay to 10%%)")
+    parser.add("optimizer", choices=list(LEARNING_RATES), default="muon",
+               help="muon: Muon for the decoder's matrices, AdamW for the rest (it learns the board in about "
+                    "half the tokens, benchmark/NOTES.md); adamw: AdamW alone, the steps' default")
+    parser.add("learning_rate", type=float, default=None,
+               help="peak learning rate, cosine decay to 10%% (default: each optimizer's best measured, "
+                    + ", ".join(f"{name} {rate:g}" for name, rate in LEARNING_RATES.items()) + ")")
     parser.add("max_steps", type=at_least(1), default=1000)
     parser.add("eval_every", type=at_least(0), default=250)
     parser.add("eval_games", type=at_least(1), default=200, help="held-out positions for the curve (during training)")
@@ -203,6 +211,8 @@ def parse_arguments(argv=None):
     args = parser.parse_args(argv)
     if args.quick:
         vars(args).update(QUICK)
+    if args.learning_rate is None:
+        args.learning_rate = LEARNING_RATES[args.optimizer]
     if args.learn_games and not Path(args.learn_games).is_file():
         raise UserError(f"{args.learn_games} does not exist: it ships with the repo (make it again with the command "
                         "in 01_download/make_chess_sample.py's docstring), or pass --learn_games ''")
@@ -259,8 +269,9 @@ def main():
     summary = (f"`{invocation}`: a {args.layers} x {args.hidden} Llama of {parameters / 1e6:.2f}M parameters in "
                f"the {args.notation} notation; "
                f"{len(train):,} training games ({train_moves:,} moves), {len(held_out):,} held out; {args.max_steps} "
-               f"steps of {args.total_batch_size} games (rows of up to {args.max_seq_length} tokens), peak learning "
-               f"rate {args.learning_rate:g}; {args.nproc} process{'es' if args.nproc > 1 else ''} x {threads} "
+               f"steps of {args.total_batch_size} games (rows of up to {args.max_seq_length} tokens), "
+               f"{args.optimizer} at a peak learning rate of {args.learning_rate:g}; "
+               f"{args.nproc} process{'es' if args.nproc > 1 else ''} x {threads} "
                f"thread{'s' if threads > 1 else ''}. Legal greedy moves on {every['positions']:,} held-out positions: "
                f"{100 * every['model']:.1f}% after {points[-1][0]:,} tokens ({100 * every['model_strict']:.1f}% with "
                f"a wrong `+` first counted illegal; trigram table {100 * every['baseline']:.1f}%). Wall time "

@@ -107,7 +107,11 @@ def training_arguments(description):
     parser.add("max_steps", type=int, default=100, help="optimiser steps")
     parser.add("learning_rate", type=float, default=1e-3, help="peak learning rate")
     parser.add("warmup_steps", type=int, default=None, help="linear warm-up steps (default: 10%% of max_steps)")
-    parser.add("weight_decay", type=float, default=0.0, help="AdamW's decoupled weight decay, 0 to 1")
+    parser.add("weight_decay", type=float, default=0.0, help="the optimiser's decoupled weight decay, 0 to 1")
+    parser.add("optimizer", choices=["adamw", "muon"], default="adamw",
+               help="adamw; or muon: Muon for the decoder's weight matrices, AdamW for the rest (embeddings, "
+                    "output head, norms), at the same --learning_rate: for training from scratch "
+                    "(benchmark/learn_chess.py)")
     parser.add("max_grad_norm", type=float, default=1.0, help="gradient clipping")
     parser.add("seed", type=int, default=0)
     parser.add("max_seq_length", type=int, default=256, help="tokens per row")

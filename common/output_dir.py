@@ -140,6 +140,8 @@ def run_settings(args, checkpoints, config, train_rows, **extra):
             "packing": not args.no_packing, "seed": args.seed, "learning_rate": args.learning_rate,
             "warmup_steps": "10% of max_steps" if args.warmup_is_default else args.warmup_steps,
             "weight_decay": args.weight_decay, "max_grad_norm": args.max_grad_norm, "max_steps": args.max_steps,
+            # recorded only for Muon, so that the runs of before --optimizer still continue
+            **({"optimizer": args.optimizer} if args.optimizer != "adamw" else {}),
             **extra}
 
 
