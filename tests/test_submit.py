@@ -207,3 +207,19 @@ def test_shell_scripts_are_shellcheck_clean():
     assert "slurm/preemption.sh" in scripts and "slurm/fsdp.sh" in scripts
     result = subprocess.run(["shellcheck", "-x", *scripts], cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("script", ["singlegpu", "ddp", "fsdp", "lora"])
+@pytest.mark.parametrize("cpus, gpus, threads", [(32, 4, 8), (2, 4, 1), (1, 8, 1), (None, 4, 1)])
+def test_templates_give_each_rank_at_least_one_thread(script, cpus, gpus, threads):
+    """The templates' own thread lines, run with a node's Slurm figures: fewer CPUs than GPUs once
+    exported OMP_NUM_THREADS=0, which OpenMP does not accept."""
+    lines = [line for line in (REPO / "slurm" / f"{script}.sh").read_text().splitlines()
+             if line.startswith(("CPUS_PER_GPU=", "export OMP_NUM_THREADS="))]
+    assert len(lines) == 2, lines
+    env = {"PATH": os.environ["PATH"], "GPUS_PER_NODE": str(gpus),
+           **({"SLURM_CPUS_PER_TASK": str(cpus)} if cpus else {})}
+    result = subprocess.run(["bash", "-c", "\n".join([*lines, 'echo "$OMP_NUM_THREADS"'])], env=env,
+                            capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == str(threads)
