@@ -19,8 +19,9 @@ def make_optimizer(model, args, foreach=None):
     # and are AdamW's, as are the norms' vectors (Muon takes matrices only).
     language_model = getattr(model, "module", model)  # under DDP, the model it wraps
     token_maps = {id(language_model.get_input_embeddings().weight), id(language_model.get_output_embeddings().weight)}
-    matrices = [param for param in trainable if param.ndim == 2 and id(param) not in token_maps]
-    others = [param for param in trainable if not (param.ndim == 2 and id(param) not in token_maps)]
+    for_muon = {id(param) for param in trainable if param.ndim == 2 and id(param) not in token_maps}
+    matrices = [param for param in trainable if id(param) in for_muon]
+    others = [param for param in trainable if id(param) not in for_muon]
     return MuonWithAdamW(matrices, adamw(others, args, foreach, fused), args)
 
 

@@ -119,15 +119,13 @@ class SaveWindowMissed(Exception):
 
 def kill_one_rank_during_a_save(step, args, output_dir, victim, at_step, rng, runs=3):
     """kill_one_rank during a save; a run whose every save was missed is run again from scratch."""
-    for _ in range(runs - 1):
+    for run in range(1, runs + 1):
         try:
             return kill_one_rank(step, args, output_dir, victim, "during save", at_step, rng)
-        except SaveWindowMissed:
+        except SaveWindowMissed as missed:
+            if run == runs:
+                raise AssertionError(f"{missed}, in {runs} runs") from None
             shutil.rmtree(output_dir, ignore_errors=True)
-    try:
-        return kill_one_rank(step, args, output_dir, victim, "during save", at_step, rng)
-    except SaveWindowMissed as missed:
-        raise AssertionError(f"{missed}, in {runs} runs") from None
 
 
 def kill_one_rank(step, args, output_dir, victim, moment, at_step, rng):

@@ -7,8 +7,8 @@ must continue exactly: the checkpoint holds both optimisers' state (DCP's sharde
 import pytest
 from safetensors.torch import load_file
 
-from conftest import EQUIVALENCE, RESUMABLE, assert_same_run, demo_args, run_step
-from test_resume import SPLITS, kill_after_first_checkpoint
+from conftest import EQUIVALENCE, RANKS, RESUMABLE, assert_same_run, demo_args, run_step
+from test_resume import kill_after_first_checkpoint
 
 MUON = ["--optimizer", "muon"]
 
@@ -76,13 +76,11 @@ def test_muon_is_the_same_optimisation_in_every_step(demo, tmp_path, single_muon
 def test_a_killed_muon_run_resumes_exactly(demo, tmp_path):
     """Step 4: DCP saves and loads both optimisers' sharded state through the one optimiser (steps 2
     and 3 save the same state_dict with torch.save)."""
-    step = "fsdp"
-    nproc, split = SPLITS[step]
+    step, nproc = "fsdp", RANKS["fsdp"]
     reference, interrupted = tmp_path / "uninterrupted", tmp_path / "interrupted"
     run_step(step, demo_args(demo, reference) + RESUMABLE + MUON, nproc=nproc)
-    kill_after_first_checkpoint(step, demo_args(demo, interrupted) + RESUMABLE[:-4] + split + MUON, nproc,
-                                interrupted)
-    result = run_step(step, demo_args(demo, interrupted) + RESUMABLE[:-4] + split + MUON + ["--resume"], nproc=nproc)
+    kill_after_first_checkpoint(step, demo_args(demo, interrupted) + RESUMABLE + MUON, nproc, interrupted)
+    result = run_step(step, demo_args(demo, interrupted) + RESUMABLE + MUON + ["--resume"], nproc=nproc)
     assert "resuming from" in result.stderr + result.stdout
     assert_same_run(reference, interrupted, tolerance=1e-6)
 
