@@ -277,7 +277,10 @@ def test_a_crash_under_the_launcher_ends_with_torchruns_report(tmp_path):
     launch.torchrun: the launcher gives back torchrun's report that it held back, and ends. (It
     once held each replayed record back again: the list never ended, and the job never did.)"""
     crash = tmp_path / "crash.py"
-    crash.write_text('raise RuntimeError("a bug")\n')
+    # rank 0 fails, rank 1 waits to be stopped: two ranks failing at once interleave their tracebacks
+    # character by character on the one stderr ("RuntimeErrorRuntimeError: : a buga bug")
+    crash.write_text('import os, time\n'
+                     'if os.environ["RANK"] == "0":\n    raise RuntimeError("a bug")\ntime.sleep(60)\n')
     result = subprocess.run([sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc-per-node=2", str(crash)],
                             capture_output=True, text=True, timeout=120, cwd=REPO)
     assert result.returncode == 1, result.stderr[-3000:]
