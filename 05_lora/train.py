@@ -290,7 +290,11 @@ def main():
     start_step, untrained = 0, None
     if output.resume and (resumed_from := load_newest(output_dir, load_checkpoint)) and is_main:
         tqdm.write(f"resuming from {resumed_from}" + (f"\n{note}" if note else ""))
-    batches = iter(make_loader(train_rows, sampler.starting_at(start_step), tokenizer.pad_token_id, device))
+    # From here on SIGTERM (preemption, time limit), Slurm's USR2 warning and Ctrl-C make the run save
+    # a checkpoint at the end of the step and stop (common/signals.py); the loader's workers leave it to the rank.
+    stop = StopFlag(device)
+    batches = iter(make_loader(train_rows, sampler.starting_at(start_step), tokenizer.pad_token_id, device,
+                               args.data_workers))
 
     def evaluate(stop_requested=None):
         """Validation loss and legal-move rate."""
@@ -310,9 +314,6 @@ def main():
         untrained = evaluate()
         if is_main:
             tqdm.write(f"untrained model: {untrained}")
-    # From here on SIGTERM (preemption, time limit), Slurm's USR2 warning and Ctrl-C make the run save
-    # a checkpoint at the end of the step and stop (common/signals.py).
-    stop = StopFlag(device)
     metrics = MetricsLog(output_dir, enabled=is_main, report_to=args.report_to,
                          params=run_params(args, world_size, device), resumed_at=start_step)
     watchdog = Watchdog(output_dir.hang, args.collective_timeout)  # a hang ends the job, and says where

@@ -118,6 +118,8 @@ def training_arguments(description):
     parser.add("notation", choices=NOTATIONS, default=None,
                help="how the games are written for the model: uci (e2e4) or piece (P e2 e4, common/notation.py); "
                     "default: the one the model's config.json names (chess_notation), else uci")
+    parser.add("data_workers", type=at_least(0), default=None,
+               help="processes per rank that make the next batches while it trains (default: 2 on a GPU, 0 on the CPU)")
     parser.add("no_packing", action="store_true",
                help="one game per row with padding, instead of packing games into full rows")
     parser.add("gradient_checkpointing", action="store_true",

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from common.errors import UserError
+from common.signals import leave_stopping_to_the_rank
 
 IGNORE_INDEX = -100  # labels with this value add nothing to the loss (padding)
 
@@ -134,12 +135,15 @@ def collate(rows, pad_id):
     return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
 
 
-def make_loader(rows, sampler, pad_id, device):
-    """A DataLoader over the sampler's micro-batches; workers and pinned memory only on GPU."""
+def make_loader(rows, sampler, pad_id, device, workers=None):
+    """A DataLoader over the sampler's micro-batches. `workers` processes make the next batches while
+    the rank trains (default: 2 on a GPU, none on the CPU, whose cores the ranks use); pinned memory
+    on a GPU, for copies that overlap compute. Workers leave stopping to their rank (common/signals.py)."""
     on_gpu = device.type == "cuda"
+    workers = (2 if on_gpu else 0) if workers is None else workers
     return torch.utils.data.DataLoader(
         rows, batch_sampler=sampler, collate_fn=functools.partial(collate, pad_id=pad_id),
-        num_workers=2 if on_gpu else 0, pin_memory=on_gpu, persistent_workers=False)
+        num_workers=workers, pin_memory=on_gpu, worker_init_fn=leave_stopping_to_the_rank)
 
 
 def count_loss_tokens(batch):

@@ -57,6 +57,18 @@ class StopFlag:
         return names.get(self.received, "a signal on another rank")
 
 
+def leave_stopping_to_the_rank(worker_id=None):
+    """A data loader worker's first act (the DataLoader's worker_init_fn). Slurm signals every process
+    of the job, torchrun its ranks' whole process groups: the loader's workers get the SIGTERM, USR2 or
+    Ctrl-C too. PyTorch's worker dies of a signal not sent by its own rank, and the rank then fails
+    its step ("DataLoader worker is killed by signal") before it can save. So a worker ignores them:
+    its rank decides when to stop, and the worker dies with its rank."""
+    for signum in (signal.SIGTERM, PREEMPTION_SIGNAL, signal.SIGINT):
+        signal.signal(signum, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def die_with_launcher():
     """Ask Linux to kill this process when its parent (torchrun) dies. torchrun starts its
     workers in their own session, so a torchrun killed with -9 would otherwise leave ranks that

@@ -134,3 +134,36 @@ def test_sigterm_to_torchrun_saves_and_resumes_exactly(demo, tmp_path, uninterru
     assert f"preempted: saved a checkpoint at step {stopped_at}" in output and "stopped by SIGTERM" in output
     run_step(step, args + ["--resume"], nproc=nproc)
     assert_same_run(uninterrupted(step), stopped, tolerance=1e-6)
+
+
+def test_sigterm_to_every_process_with_loader_workers_saves_and_resumes_exactly(demo, tmp_path, uninterrupted):
+    """The loader as a GPU run uses it, worker processes that make the next batches (forced on the CPU
+    with --data_workers 2), and SIGTERM to every process of the job, as Slurm sends it at a
+    preemption: torchrun, its ranks and their workers. The workers leave stopping to their rank
+    (PyTorch's own worker dies of a signal its rank did not send, and the rank's next batch then
+    fails the step): every rank saves a complete checkpoint and says `preempted:`, and --resume ends
+    where the uninterrupted run ends."""
+    nproc, split = SPLITS["fsdp"]
+    stopped = tmp_path / "stopped"
+    args = demo_args(demo, stopped) + ["--max_steps", STEPS, "--keep_checkpoints", 2, "--data_workers", 2] + split
+    launcher = [sys.executable, "-m", "launch.torchrun", "--standalone", f"--nproc-per-node={nproc}",
+                str(STEP_SCRIPTS["fsdp"]), *map(str, args)]
+    process = subprocess.Popen(launcher, cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 300
+    while not (stopped / "metrics.jsonl").exists() or not read_metrics(stopped):
+        assert process.poll() is None and time.time() < deadline, "no training step in time"
+        time.sleep(0.05)
+    job = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+    workers = [p for p in job[1:] if p.ppid() != process.pid]
+    assert len(workers) >= 2 * nproc, f"expected the loader's workers under each rank: {[p.cmdline() for p in job]}"
+    for proc in job:  # every process of the job at once, as slurmstepd signals them
+        proc.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, output[-3000:]
+    assert "Traceback" not in output and "killed by signal" not in output, output[-3000:]
+    stopped_at = len(read_metrics(stopped))
+    assert stopped_at < STEPS, "the signal came too late to test anything"
+    assert f"preempted: saved a checkpoint at step {stopped_at}" in output and "stopped by SIGTERM" in output
+    run_step("fsdp", args + ["--resume"], nproc=nproc)
+    assert_same_run(uninterrupted("fsdp"), stopped, tolerance=1e-6)
