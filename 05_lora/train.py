@@ -1,12 +1,12 @@
 """Step 5: fine-tune LoRA adapters instead of all weights, sharded with FSDP as in step 4.
 
     torchrun --nproc-per-node 2 05_lora/train.py --output_dir runs/lora
-    torchrun --nproc-per-node 4 05_lora/train.py --qlora ...      # a 4-bit base model (GPU, bitsandbytes)
+    torchrun --nproc-per-node 2 05_lora/train.py --qlora ...      # a 4-bit base model (NF4)
 
 LoRA freezes every weight of the model and trains a low-rank update B·A beside each target
 linear layer: for CodeLlama-7b at rank 16 about 40M trainable parameters instead of 6.7B, so
 gradients and AdamW state shrink 170-fold; the frozen weights are still sharded by FSDP.
-QLoRA also stores the frozen weights in 4 bits. Checkpoints and the final model hold the
+QLoRA also stores the frozen linear weights in 4 bits. Checkpoints and the final model hold the
 adapters only (peft's format), to be loaded over --model.
 """
 import gc
@@ -34,14 +34,15 @@ from common.errors import UserError, exit_on_user_error
 from common.hang import Watchdog
 from common.metrics import (MetricsLog, StepTimer, flops_per_token, model_flops_utilization, peak_memory,
                             print_summary, run_params, write_summary)
-from common.model import enable_gradient_checkpointing, load_config, load_model, load_tokenizer
+from common.model import enable_gradient_checkpointing, load_config, load_tokenizer
+from common.nf4 import kept_whole
 from common.notation import training_notation
 from common.optim import make_optimizer, make_scheduler
 from common.output_dir import OutputDir, run_settings
 from common.profiling import StepProfiler
 from common.prepare_data import prepared_rows, read_games
 from common.process_group import init_process_group
-from common.sharded_loading import load_sharded_model
+from common.sharded_loading import load_quantized_sharded_model, load_sharded_model
 from common.signals import StopFlag, die_with_launcher
 
 # The sharding strategies users know from FSDP1 (and DeepSpeed), expressed in FSDP2:
@@ -79,14 +80,21 @@ def decoder_layers(model):
     return layers
 
 
-def shard_model(model, mesh, strategy, mp_policy, offload_policy):
+def shard_model(model, mesh, strategy, mp_policy, offload_policy, load_unit=None):
     """FSDP by hand, bottom-up: every decoder layer becomes one unit whose weights are
     all-gathered just before it runs and freed right after; then the root takes what is left
     (embeddings, final norm, lm_head), which FSDP keeps gathered from forward to backward, as
-    they are needed at both ends. One unit for the whole model would gather it all at once."""
+    they are needed at both ends. One unit for the whole model would gather it all at once.
+    QLoRA: `load_unit` gives each unit its weights (4-bit) just before FSDP takes it, and 4-bit
+    weights that cannot be split over the ranks stay whole on each (kept_whole: common/nf4.py)."""
     options = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     for layer in decoder_layers(model):
-        fully_shard(layer, reshard_after_forward=strategy != "SHARD_GRAD_OP", **options)
+        if load_unit:
+            load_unit(layer)
+        fully_shard(layer, reshard_after_forward=strategy != "SHARD_GRAD_OP",
+                    ignored_params=kept_whole(layer, mesh.shape[-1]), **options)
+    if load_unit:
+        load_unit(model)
     fully_shard(model, **options)
 
 
@@ -105,24 +113,6 @@ def add_lora(model, args):
                         f"layers are {', '.join(linear)}") from None
 
 
-def load_qlora_model(args, device, shard):
-    """QLoRA: the frozen base weights stored in 4 bits (NF4, bitsandbytes), computed in bf16, with
-    LoRA adapters on top. Every rank loads the quantized model straight onto its own GPU (4-bit
-    weights are a quarter of the bf16 size), so there is nothing to broadcast. The 4-bit weights are
-    stored as bf16 elements (bnb_4bit_quant_storage) so that FSDP can shard them like the rest."""
-    from peft import prepare_model_for_kbit_training
-    from transformers import BitsAndBytesConfig
-    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                      bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)
-    model = load_model(args.model, args.trust_remote_code, quantization_config=quantization,
-                       device_map={"": device})
-    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.gradient_checkpointing,
-                                            gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = add_lora(model, args)
-    shard(model)
-    return model
-
-
 def parse_arguments(argv=None):
     parser = training_arguments(__doc__.split("\n\n")[0])
     parser.add("sharding_strategy", choices=STRATEGIES, default="FULL_SHARD", help="see the table above")
@@ -139,23 +129,17 @@ def parse_arguments(argv=None):
     parser.add("lora_alpha", type=float, default=32.0, help="the update is scaled by alpha / r")
     parser.add("lora_target_modules", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
                help="comma-separated names of the linear layers that get adapters")
-    parser.add("qlora", action="store_true", help="LoRA over a 4-bit (NF4) base model; needs a GPU and bitsandbytes")
+    parser.add("qlora", action="store_true",
+               help="LoRA over a 4-bit base model: the decoder's frozen linear weights in NF4 (torchao); bf16 compute")
     args = parser.parse_args(argv)
     if args.shard_group_size is not None and args.shard_group_size < 1:
         raise UserError(f"--shard_group_size must be at least 1 (got {args.shard_group_size})")
     args.lora_target_modules = [name.strip() for name in args.lora_target_modules.split(",") if name.strip()]
     if args.lora_rank < 1 or not args.lora_alpha > 0 or not args.lora_target_modules:
         raise UserError("LoRA needs --lora_rank >= 1, --lora_alpha > 0 and at least one --lora_target_modules")
-    if args.qlora:
-        if args.precision == "fp32":  # FSDP would cast the packed 4-bit weights (bf16 elements) to fp32
-            raise UserError("--qlora computes in bf16 (its 4-bit weights are packed into bf16 elements): "
-                            "leave out --precision fp32")
-        if args.device == "cpu" or not torch.cuda.is_available():
-            raise UserError("--qlora needs a CUDA GPU (bitsandbytes' 4-bit kernels): leave it out on the CPU")
-        try:
-            import bitsandbytes  # noqa: F401
-        except ImportError:
-            raise UserError("--qlora needs bitsandbytes: `pip install bitsandbytes` on the GPU nodes") from None
+    if args.qlora and args.cpu_offload:
+        raise UserError("--qlora keeps its 4-bit weights on the GPUs, --cpu_offload moves the weights to host memory: "
+                        "choose one")
     return args
 
 
@@ -210,7 +194,7 @@ def main():
     config = load_config(args.model, args.trust_remote_code, max_seq_length=args.max_seq_length)
     tokenizer = load_tokenizer(args.model, config, args.trust_remote_code)
     notation = training_notation(args, config)  # how the games are written: common/notation.py
-    precision = args.precision or ("bf16" if device.type == "cuda" else "fp32")
+    precision = args.precision or ("bf16" if device.type == "cuda" or args.qlora else "fp32")
     mesh = build_mesh(args.sharding_strategy, device.type, world_size,
                       args.shard_group_size or int(os.environ["LOCAL_WORLD_SIZE"]))
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if args.cpu_offload else OffloadPolicy()
@@ -221,10 +205,11 @@ def main():
             enable_gradient_checkpointing(model)
         return add_lora(model, args)
 
-    def shard(model):
-        shard_model(model, mesh, args.sharding_strategy, mp_policy, offload)
-    if args.qlora:
-        model = load_qlora_model(args, device, shard)
+    def shard(model, load_unit=None):
+        shard_model(model, mesh, args.sharding_strategy, mp_policy, offload, load_unit)
+    if args.qlora:  # the frozen linear weights in 4 bits, quantized layer by layer as rank 0 sends them
+        model = load_quantized_sharded_model(args.model, config, rank, device, shard, prepare=prepare_model,
+                                             trust_remote_code=args.trust_remote_code)
     else:
         model = load_sharded_model(args.model, config, rank, device, shard, prepare=prepare_model,
                                    cpu_offload=args.cpu_offload, trust_remote_code=args.trust_remote_code)

@@ -5,34 +5,22 @@
 
 For measuring a model's shape (speed, memory) without its weights: CodeLlama-7b's are 27 GB to
 download and nothing about them changes tokens/s. The functions that read weights,
-common.model.load_model (steps 2 and 3, QLoRA's in step 5) and the one common.sharded_loading
-calls on rank 0 (steps 4 and 5), are replaced by one that builds the model from its config with
-random weights (common.model.build_model); then the script runs as if started itself, with its
-own arguments, checks and outputs. Losses are those of an untrained model.
+common.model.load_model (steps 2 and 3) and the one common.sharded_loading calls on rank 0 (steps
+4 and 5, QLoRA's too), are replaced by one that builds the model from its config with random
+weights (common.model.build_model); then the script runs as if started itself, with its own
+arguments, checks and outputs. Losses are those of an untrained model.
 """
 import runpy
 import sys
-
-import torch
 
 import common.model
 import common.sharded_loading
 from common.errors import UserError, exit_on_user_error
 
 
-def random_model(name, trust_remote_code=False, **kwargs):
-    """load_model's stand-in: the same model, random weights, fp32. With load_model's extra
-    arguments (QLoRA's quantization_config and device_map) Hugging Face builds the model from a
-    state dict of random bf16 weights (as checkpoints come) instead of a checkpoint, quantizing as
-    it loads them."""
-    config = common.model.load_config(name, trust_remote_code)
-    if not kwargs:
-        return common.model.build_model(config, trust_remote_code)
-    from transformers import AutoModelForCausalLM
-    weights = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, trust_remote_code=trust_remote_code)
-    # The model's own class: the Auto class wants a name to load from, this one takes the state dict alone.
-    return type(weights).from_pretrained(None, config=config, state_dict=weights.state_dict(), dtype=torch.float32,
-                                         **kwargs)
+def random_model(name, trust_remote_code=False, config=None):
+    """load_model's stand-in: the same model (its config, or the one given), random weights, fp32."""
+    return common.model.build_model(config or common.model.load_config(name, trust_remote_code), trust_remote_code)
 
 
 def main():

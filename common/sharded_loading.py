@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from common.model import build_model, load_model
+from common.nf4 import quantize_frozen_linears
 
 
 def load_sharded_model(name, config, rank, device, shard, prepare=lambda model: model, cpu_offload=False,
@@ -41,3 +42,52 @@ def load_sharded_model(name, config, rank, device, shard, prepare=lambda model: 
             dist.broadcast(buffer, src=0)
             module.register_buffer(buffer_name, buffer, persistent=False)
     return model
+
+
+def load_quantized_sharded_model(name, config, rank, device, shard, prepare, trust_remote_code=False):
+    """QLoRA's load: the model `name`, its decoder layers' frozen linear weights in 4 bits (NF4,
+    common/nf4.py), sharded by `shard(model, load_unit)`. NF4 is quantized from a whole weight (its
+    scales are shared across rows), so the model is loaded unit by unit: `shard` calls `load_unit`
+    on each decoder layer, then on the rest, just before FSDP takes it; rank 0 sends the unit's
+    weights, every rank quantizes the layer's in the same way, and FSDP keeps this rank's part. One
+    layer at a time is whole on a GPU, in full precision."""
+    full_model = prepare(load_model(name, trust_remote_code)) if rank == 0 else None
+    with torch.device("meta"):
+        model = prepare(build_model(config, trust_remote_code))
+    sources = {**dict(full_model.named_parameters()), **dict(full_model.named_buffers())} if rank == 0 else {}
+
+    def rank0s(tensor_name, tensor):
+        value = torch.empty_like(tensor, device=device)
+        if rank == 0:
+            value.copy_(sources[tensor_name])
+        dist.broadcast(value, src=0)
+        return value
+
+    def load_unit(unit):
+        give_storage(model, unit, rank0s)
+        if unit is not model:
+            quantize_frozen_linears(unit)
+
+    shard(model, load_unit)
+    return model
+
+
+def give_storage(model, unit, make):
+    """Replace each parameter and buffer of `unit` (a module of `model`) that is still on the meta
+    device by `make(its name in model, it)`; a tensor that two modules share (tied weights) once."""
+    prefix = next(name for name, module in model.named_modules() if module is unit)
+    made = {}
+    for kind in ("parameters", "buffers"):
+        for tensor_name, tensor in getattr(unit, f"named_{kind}")(remove_duplicate=False):
+            if not tensor.is_meta:  # the root's decoder layers: loaded and sharded already
+                continue
+            if id(tensor) not in made:
+                value = make(f"{prefix}.{tensor_name}" if prefix else tensor_name, tensor)
+                made[id(tensor)] = torch.nn.Parameter(value, tensor.requires_grad) if kind == "parameters" else value
+            owner_name, _, attribute = tensor_name.rpartition(".")
+            owner = unit.get_submodule(owner_name)
+            if kind == "parameters":
+                setattr(owner, attribute, made[id(tensor)])
+            else:
+                owner.register_buffer(attribute, made[id(tensor)],
+                                      persistent=attribute not in owner._non_persistent_buffers_set)

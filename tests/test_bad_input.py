@@ -514,7 +514,7 @@ def test_a_full_disk_is_recognised_however_the_save_reports_it(tmp_path):
     ("fsdp", ["--shard_group_size", "0"], "--shard_group_size must be at least 1"),
     ("lora", ["--lora_target_modules", " , "], "at least one --lora_target_modules"),
     ("lora", ["--lora_rank", "0"], "LoRA needs --lora_rank >= 1"),
-    ("lora", ["--qlora", "--precision", "fp32"], "--qlora computes in bf16"),  # before the GPU check: on any machine
+    ("lora", ["--qlora", "--cpu_offload"], "--qlora keeps its 4-bit weights on the GPUs"),
 ])
 def test_out_of_range_step_options_are_refused(step, argv, words):
     with pytest.raises(UserError, match=words):

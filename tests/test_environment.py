@@ -8,14 +8,11 @@ def pins(lines):
     return {line.strip() for line in lines if "==" in line and not line.strip().startswith("#")}
 
 
-GPU_ONLY = {"bitsandbytes==0.50.2"}  # --qlora's 4-bit kernels, for the clusters' GPU nodes only
-
-
 def test_conda_environment_matches_pip_requirements():
-    """The same pins, and on the clusters the GPU-only ones on top."""
+    """The same pins."""
     conda = [line.strip().removeprefix("- ") for line in (REPO / "environment.yml").read_text().splitlines()
              if line.strip().startswith("- ") and "==" in line]
-    assert pins(conda) == pins((REPO / "requirements.txt").read_text().splitlines()) | GPU_ONLY
+    assert pins(conda) == pins((REPO / "requirements.txt").read_text().splitlines())
 
 
 def test_torch_is_pinned_exactly():

@@ -1,6 +1,6 @@
 """05_lora: adapters (peft) sharded with FSDP. The loss falls; only the adapters are trained,
 checkpointed and saved; the saved adapter loads with peft alone and gives the trained model's
-validation loss; a LoRA run resumes exactly; --qlora refuses on the CPU."""
+validation loss; a LoRA run resumes exactly. QLoRA: tests/test_qlora.py."""
 import shutil
 import sys
 
@@ -85,11 +85,3 @@ def test_export_refuses_a_lora_checkpoint(lora_run, tmp_path):
                            str(tmp_path / "out")], capture_output=True, text=True, cwd=REPO)
     assert done.returncode == 2 and "error:" in done.stderr and "LoRA adapters only" in done.stderr
     assert not (tmp_path / "out").exists()
-
-
-def test_qlora_refuses_on_the_cpu(demo, tmp_path):
-    result = run_step("lora", demo_args(demo, tmp_path) + ["--qlora", "--device", "cpu", "--max_steps", 1],
-                      nproc=1, check=False)
-    assert result.returncode != 0
-    assert "error: --qlora needs a CUDA GPU" in result.stderr
-    assert not (tmp_path / "metrics.jsonl").exists()

@@ -51,6 +51,7 @@ import json
 import math
 import sys
 import time
+import warnings
 from contextlib import nullcontext
 from datetime import date
 
@@ -65,12 +66,18 @@ from common.arguments import Parser, check_arguments
 from common.batch import gradient_accumulation_steps
 from common.errors import UserError, exit_on_user_error, first_line
 from common.model import build_model, check_max_seq_length, enable_gradient_checkpointing
+from common.nf4 import quantize_frozen_linears, stored_bytes
 from common.optim import make_optimizer
+from common.sharded_loading import give_storage
 from launch.steps import check_training_arguments, load_step
 from tools import estimate_memory
 
 GiB = 1024 ** 3
 MAX_RANKS = 512
+
+# torchao's NF4 (QLoRA) checks after each all-gather that it got FSDP's buffer, by data pointers: on fake
+# tensors each check warns, harmlessly.
+warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
 
 # FSDPMemTracker's categories, in the order they are reported, with the names used here.
 CATEGORIES = {"Sharded Param": "parameters", "Sharded Grad": "gradients", "OptState": "optimizer_state",
@@ -91,7 +98,7 @@ OFFLOADED = ("Sharded Param", "Sharded Grad", "OptState")
 
 class PlanUnavailable(UserError):
     """The plan check cannot run this job (an architecture it cannot shard or build on fake
-    tensors, QLoRA): say so, and let the job go ahead unchecked."""
+    tensors): say so, and let the job go ahead unchecked."""
 
 
 LORA_DEFAULTS = {"lora_rank": estimate_memory.LORA_RANK, "lora_target_modules": estimate_memory.LORA_TARGETS}
@@ -121,18 +128,12 @@ class PhaseTracker(FSDPMemTracker):
                                                          for key, value in snapshot.items()})
 
 
-def local_bytes(tensor):
-    """Bytes of this rank's piece of a parameter, gradient or AdamW tensor (as benchmark/run.py's bytes measurement)."""
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    return local.numel() * local.element_size()
-
-
 def state_bytes(model, optimizer):
     """Rank 0's parameters, gradients and AdamW state, after the optimiser step."""
     params = list(model.parameters())
-    return {"parameters": sum(local_bytes(p) for p in params),
-            "gradients": sum(local_bytes(p.grad) for p in params if p.grad is not None),
-            "optimizer": sum(local_bytes(value) for state in optimizer.state.values()
+    return {"parameters": sum(stored_bytes(p) for p in params),
+            "gradients": sum(stored_bytes(p.grad) for p in params if p.grad is not None),
+            "optimizer": sum(stored_bytes(value) for state in optimizer.state.values()
                              for name, value in state.items() if name != "step")}
 
 
@@ -158,11 +159,20 @@ def build(args, step, mesh, config, fake_mode, accumulation):
     precision = args.precision or "bf16"  # what train.py uses on a GPU
     mp_policy = MixedPrecisionPolicy(param_dtype=module.PRECISIONS[precision], reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy(pin_memory=False) if args.cpu_offload else OffloadPolicy()  # no pinning without CUDA
-    module.shard_model(model, mesh, args.sharding_strategy, mp_policy, offload)
+    if getattr(args, "qlora", False):  # as the job loads it: unit by unit, each layer's linear weights in 4 bits
+        def load_unit(unit):
+            with fake_mode:
+                give_storage(model, unit, lambda name, tensor: torch.empty_like(tensor, device="cpu"))
+                if unit is not model:
+                    quantize_frozen_linears(unit)
+        module.shard_model(model, mesh, args.sharding_strategy, mp_policy, offload, load_unit)
+    else:
+        module.shard_model(model, mesh, args.sharding_strategy, mp_policy, offload)
     if args.accumulate_unsharded and accumulation > 1:  # as train.py: gathered once per optimiser step
         model.set_reshard_after_forward(False)
     with fake_mode:
-        model.to_empty(device="cpu")
+        if not getattr(args, "qlora", False):  # QLoRA's units have their (fake) storage already
+            model.to_empty(device="cpu")
         # Multi-tensor AdamW, as PyTorch picks on a GPU; offloaded, the step runs on the CPU (nothing on the GPU).
         optimizer = make_optimizer(model, args, foreach=not args.cpu_offload)
     return model, optimizer
@@ -234,9 +244,6 @@ def plan(args, gpus_per_node, nodes=1, step="fsdp", gpu_memory_gib=None):
     world_size = gpus_per_node * nodes
     if not 1 <= world_size <= MAX_RANKS:
         raise UserError(f"the plan check runs 1 to {MAX_RANKS} ranks (got {nodes} x {gpus_per_node} = {world_size})")
-    if getattr(args, "qlora", False):
-        raise PlanUnavailable("QLoRA's 4-bit base model (bitsandbytes, CUDA) cannot be built on fake tensors: "
-                              "see `python tools/estimate_memory.py --qlora` for the formula's figure")
     if dist.is_initialized():
         raise PlanUnavailable("a process group is already running in this process")
     accumulation = gradient_accumulation_steps(args.total_batch_size, args.batch_size_per_device, world_size)

@@ -28,10 +28,9 @@ so per GPU each parameter costs ceil(dim0 / N) x (product of the other dims) x b
 With --lora (step 5) the model's own weights are frozen: 4 B each (fp32, sharded), no gradient,
 no AdamW state; every target linear layer (in x out) gets adapters A (r x in) and B (out x r),
 trainable: 16 B per adapter parameter. (At 64 ranks A's r = 16 rows pad to one row per rank.)
-With --qlora the frozen linear layers of the decoder are stored in 4 bits (NF4) packed into bf16
-elements, sharded like the rest: 0.5 B per weight, plus their quantization constants (one byte
-per 64 weights and an fp32 per 256 of those), which every GPU keeps whole. Embeddings, norms and
-lm_head stay fp32.
+With --qlora the frozen linear layers of the decoder are stored in 4 bits (NF4, torchao), sharded
+like the rest with their quantization constants: 0.5 B per weight, one byte of scale per 64
+weights and an fp32 factor per 256 scales (common/nf4.py). Embeddings, norms and lm_head stay fp32.
 
 Unsharded working set (forward and backward only), in the compute dtype c (2 B for bf16, 4 B
 for fp32):
@@ -113,8 +112,8 @@ STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
 COMPUTE_BYTES = {"bf16": 2, "fp32": 4}  # the dtype FSDP gathers weights in and runs layers in
 PARAM_BYTES, GRAD_BYTES, ADAMW_BYTES = 4, 4, 8  # fp32 master weights, fp32 gradients, exp_avg + exp_avg_sq
 REDUCE_BYTES = 4  # MixedPrecisionPolicy(reduce_dtype=fp32)
-NF4_BYTES = 0.5  # QLoRA: 4 bits per frozen weight, packed into bf16 elements that FSDP shards
-NF4_CONSTANT_BYTES = 1 / 64 + 4 / (64 * 256)  # an 8-bit absmax per 64 weights, an fp32 per 256 absmax
+# QLoRA: 4 bits per frozen weight, an 8-bit scale per 64 weights and an fp32 per 256 scales, all sharded
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 MARGIN_FIXED_GIB, MARGIN_FRACTION = 3.0, 0.10
 TABLE_GPUS = [1, 2, 4, 8]
 PEAK_MOMENTS = {"end_of_forward": "end of fwd", "start_of_backward": "start of bwd", "backward": "bwd",
@@ -275,9 +274,7 @@ def sharded_state_bytes(units, degree):
     params = [p for unit in units for p in unit]
     trainable = [p.shape for p in params if p.trainable]
     stored = sum(sharded_bytes([p.shape], degree, p.bytes) for p in params)
-    # QLoRA's quantization constants are not FSDP parameters: every GPU keeps them whole.
-    constants = sum(math.prod(p.shape) for p in params if p.bytes == NF4_BYTES) * NF4_CONSTANT_BYTES
-    return {"parameters": int(stored + constants),
+    return {"parameters": int(stored),
             "gradients": sharded_bytes(trainable, degree, GRAD_BYTES),
             "optimizer": sharded_bytes(trainable, degree, ADAMW_BYTES)}
 
