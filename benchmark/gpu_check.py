@@ -1,41 +1,49 @@
-"""The GPU checks in one command, at most 30 minutes: does every step run on CUDA, how fast is the
-CodeLlama-7b shape, and does the plan check predict its memory? Run it on a site's GPU node before
-the workshop: it ends with a verdict line, and exits 1 unless the node is ready.
+"""The GPU checks in one command, 8 minutes by default: does every step run on CUDA, preemption and
+QLoRA included; how fast are the CodeLlama-7b shape and the largest full fine-tune a GPU holds; and
+does the plan check predict their memory? Run it on a site's GPU node before the workshop: it ends
+with a verdict line, and exits 1 unless the node is ready.
 
     .venv/bin/python benchmark/gpu_check.py                     # every visible GPU, the real 7B shape
+    .venv/bin/python benchmark/gpu_check.py --only lora,qlora   # chosen rows (the ids below)
     sbatch slurm/gpu_check.sh                                   # the same as a Slurm job: one node, all its GPUs
     .venv/bin/python benchmark/gpu_check.py --layers 2 --hidden 128 --heads 2 --intermediate 256 \\
-        --seq_length 64 --steps 2                               # a shrunk shape: what the CPU test runs
+        --seq_length 64 --steps 2 --batch_size_per_device 2     # a shrunk shape: what the CPU test runs
 
-Rows of the table (printed, and written to WORK_DIR/gpu_check.md; the figures to gpu_check.json):
-  step 2, 3, 4      the demo model: 02_singlegpu on one GPU with bf16 autocast, 03_ddp and
-                    04_fsdp with nccl on every visible GPU (a few steps, evaluation and saving)
-  step 4, 5 offload the demo model with --cpu_offload (04_fsdp, 05_lora), every visible GPU: the
-                    sharded state in host memory, its collectives over gloo beside nccl
-  7B shape          benchmark/codellama-7b-config.json with random weights (benchmark/random_weights.py:
-                    nothing downloaded) and the demo tokenizer, FULL_SHARD on every visible GPU,
-                    sequence --seq_length, one row per GPU, activation checkpointing: LoRA (step 5),
-                    QLoRA (step 5 --qlora, needs bitsandbytes), full fine-tuning (step 4; with
-                    --cpu_offload where the plan check says it does not fit otherwise, if host RAM
-                    allows). These runs are stopped after --steps optimiser steps: a 7B checkpoint
-                    is 12 bytes per parameter (81 GB), and saving is not what is measured.
-                    QLoRA fails where its peak memory does not show the 4-bit weights (it must save at
-                    least half of what they should against LoRA's fp32 ones: FSDP2 with bitsandbytes'
-                    Params4bit is reported to lose the quantisation silently, axolotl PR #2992), or
-                    where its loss strays from LoRA's by more than 2 % over the same steps.
-Each row gives tokens/s per GPU (the first step not counted), MFU, peak memory per GPU
-(torch.cuda.max_memory_allocated, rank 0: loading and the first evaluation included) and the plan
-check's predicted peak for the same job (tools/check_plan.py, step 2 of training only).
+Rows, in the order they run (id: check):
+  step2, step3, step4, step5   the demo model: 02_singlegpu on one GPU with bf16 autocast, 03_ddp,
+                    04_fsdp and 05_lora with nccl on every visible GPU (40 steps, a save)
+  preemption        04_fsdp as step4, with its data loader's worker processes (as on a GPU), SIGTERM to
+                    every process of the job in the middle of the run (as Slurm sends it), then
+                    --resume: a checkpoint and a `preempted:` line, and the resumed run's losses are
+                    step4's
+  nf4_sharding      QLoRA's 4-bit weights of two 7B-shape layers give the same logits before and after
+                    fully_shard (benchmark/nf4_sharding.py; on 2 GPUs where there are 2)
+  qlora, lora       the 7B shape (benchmark/codellama-7b-config.json, random weights through
+                    benchmark/random_weights.py, the demo tokenizer), FULL_SHARD on every GPU, rows
+                    of --seq_length tokens, activation checkpointing, at the most rows per GPU that
+                    fit (by tools/estimate_memory.py, up to 16). QLoRA fails where its memory does
+                    not show the 4-bit weights against LoRA's, or its loss strays from LoRA's by
+                    more than 2 % over the same steps
+  full              full fine-tuning without offload of the largest Llama shape that fits: the 7B
+                    shape's layers, as many as fit with 4 rows per GPU, then as many rows as fit.
+                    Its MFU is the kit's headline GPU figure
+  offload4, offload5  the demo model with --cpu_offload: the sharded state in host memory, gloo beside nccl
+  full_offload      the whole 7B shape, full fine-tuning offloaded to host memory (--cpu_offload),
+                    where it does not fit otherwise: only when --time_limit leaves it 5 minutes
+The 7B-shape runs are stopped after --steps optimiser steps (a 7B checkpoint is 81 GB, and saving
+is not what is measured). Each row gives tokens/s per GPU (the first step not counted), MFU, peak
+memory per GPU (torch.cuda.max_memory_allocated, rank 0, loading included) and the plan check's
+predicted peak for the same job (tools/check_plan.py, the training steps only).
 
-The time limit covers the three 7B loads: rank 0 initialises 6.7B random weights on one thread
-(torchrun's OMP_NUM_THREADS=1) while the other ranks wait, minutes each.
+Each row is written to WORK_DIR/gpu_check.md and gpu_check.json as soon as it ends, so a run killed
+at any moment leaves the rows done so far. The time limit is checked before every run and every
+plan check; a row that would not fit in the time left is not run, and says so.
 
-Without CUDA (tests/test_gpu_check.py runs a shrunk shape on the CPU) steps 3 and 4 and the
-7B-shape rows run with gloo on 2 CPU processes; step 2 on CUDA, the CPU-offload rows and QLoRA are
-skipped, MFU and GPU memory stay empty, and the verdict is "NOT ready": nothing here measures a GPU
-that is not there.
+Without CUDA (tests/test_gpu_check.py runs a shrunk shape on the CPU) the rows run with gloo on 2
+CPU processes, except step2 and the CPU-offload rows; MFU and GPU memory stay empty, and the
+verdict is "NOT ready": nothing here measures a GPU that is not there.
 """
-import importlib.util
+import argparse
 import json
 import os
 import shutil
@@ -45,16 +53,16 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import torch
 
-from common.arguments import DEMO_DIR, Parser
+from common.arguments import DEMO_DIR, Parser, at_least
 from common.errors import UserError, exit_on_user_error
 from common.metrics import peak_flops
 from common.model import DEMO_DOWNLOAD, load_config
 from common.notation import CONFIG_KEY as NOTATION_KEY
 from common.notation import model_notation
 from common.run_dir import RunDir
-
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "benchmark" / "codellama-7b-config.json"
@@ -64,17 +72,28 @@ GiB = 1024 ** 3
 COLUMNS = ["check", "setup", "result", "tokens/s per GPU (rank)", "MFU", "peak allocated GiB/GPU",
            "plan check's peak GiB", "mean loss", "time s"]
 QLORA_LOSS_TOLERANCE = 0.02  # QLoRA's mean loss within 2 % of LoRA's over the same steps
+DEMO_STEPS = 40
+MOST_ROWS = 16  # the 7B-shape runs try up to this many rows per GPU
+FULL_ROWS = 4  # the full fine-tune keeps as many layers as fit with this many rows per GPU
+# id: (check, seconds it needs at least: a row is not started with less time left)
+ROWS = {"step2": ("step 2", 30), "step3": ("step 3", 30), "step4": ("step 4", 30), "step5": ("step 5", 30),
+        "preemption": ("preemption, step 4", 60), "nf4_sharding": ("QLoRA sharding", 30),
+        "qlora": ("7B shape, QLoRA", 120), "lora": ("7B shape, LoRA", 120), "full": ("full fine-tuning", 120),
+        "offload4": ("step 4, CPU offload", 30), "offload5": ("step 5, CPU offload", 30),
+        "full_offload": ("7B shape, full fine-tuning, CPU offload", 300)}
 
 
-def make_model_dir(args, model_dir):
-    """config.json (the 7B shape, or the overrides) and the demo tokenizer, no weights. The demo
-    tokenizer's 85 tokens fit the 32,016 embeddings; its special tokens and its notation (the piece
-    notation's words) go into the config, so the games are written as it reads them and generation
-    stops where they end."""
+def make_model_dir(args, model_dir, layers=None):
+    """config.json (the 7B shape, or the overrides; `layers` of them) and the demo tokenizer, no
+    weights. The demo tokenizer's 85 tokens fit the 32,016 embeddings; its special tokens and its
+    notation (the piece notation's words) go into the config, so the games are written as it reads
+    them and generation stops where they end."""
     config = json.loads(CONFIG.read_text())
     for flag, key in SHAPE_FLAGS.items():
         if getattr(args, flag) is not None:
             config[key] = getattr(args, flag)
+    if layers is not None:
+        config["num_hidden_layers"] = layers
     config["num_key_value_heads"] = config["num_attention_heads"]  # CodeLlama-7b: no grouped-query attention
     if config["hidden_size"] % config["num_attention_heads"]:
         raise UserError(f"--hidden {config['hidden_size']} must be a multiple of "
@@ -88,73 +107,126 @@ def make_model_dir(args, model_dir):
                   pad_token_id=tokenizer.pad_token_id)
     config[NOTATION_KEY] = model_notation(load_config(args.tokenizer))
     (model_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return config
 
 
 class Runner:
-    """Runs the checks one after the other within the time limit, and collects the table's rows."""
+    """Runs the checks one after the other within the time limit; writes the table after each."""
 
-    def __init__(self, args, on_gpu, ranks):
-        self.args, self.on_gpu, self.ranks = args, on_gpu, ranks
+    def __init__(self, args, on_gpu, ranks, hardware):
+        self.args, self.on_gpu, self.ranks, self.hardware = args, on_gpu, ranks, hardware
         self.work_dir = Path(args.work_dir)
         self.deadline = time.monotonic() + args.time_limit
         self.rows = []
 
-    def skip(self, check, setup, why):
-        self.rows.append({"check": check, "setup": setup, "result": f"skipped: {why}"})
+    def time_left(self):
+        return self.deadline - time.monotonic()
 
-    def run(self, check, setup, script, nproc, arguments, stop_after=None, random_weights=False, plan=None):
-        """One step script run: its own process(es), its log next to its output folder."""
-        started = time.monotonic()
-        name = check.replace(" ", "_").replace(",", "").replace("/", "")
-        output_dir = self.work_dir / name
-        shutil.rmtree(output_dir, ignore_errors=True)
-        output_dir.mkdir(parents=True)
-        log = self.work_dir / f"{name}.log"
+    def add(self, row):
+        self.rows.append(row)
+        write_report(self, final=False)
+        return row
+
+    def skip(self, check, setup, why):
+        return self.add({"check": check, "setup": setup, "result": f"skipped: {why}"})
+
+    def enough_time(self, row_id, setup):
+        """False (and the row says so) when less time is left than the row needs."""
+        check, needs = ROWS[row_id]
+        if self.time_left() >= needs:
+            return True
+        self.add({"check": check, "setup": setup, "result": f"not run: it needs about {needs} s, "
+                  f"{max(0, self.time_left()):.0f} s of --time_limit were left"})
+        return False
+
+    def start(self, script, nproc, arguments, log, random_weights=False, launcher="torch.distributed.run"):
+        """A script in a session of its own (stopped as a whole), its output added to `log`."""
         command = ([sys.executable] if nproc is None else
-                   [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"])
+                   [sys.executable, "-m", launcher, "--standalone", f"--nproc-per-node={nproc}"])
         if random_weights:
             command.append(str(REPO / "benchmark" / "random_weights.py"))
-        command += [str(REPO / script), "--output_dir", str(output_dir), "--overwrite",
-                    "--data_dir", self.args.data_dir, *map(str, arguments)]
+        command += [str(REPO / script), *map(str, arguments)]
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
         if not self.on_gpu:
             env["OMP_NUM_THREADS"] = "1"  # ranks share the CPU's cores
+        with log.open("a") as out:
+            return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env,
+                                    start_new_session=True)
+
+    def wait(self, process, output_dir, stop_after=None, signal_after=None):
+        """Until the process ends, `stop_after` steps are on record (then killed: no checkpoint) or the
+        time is up. `signal_after` steps on record: SIGTERM to every process of the job, once.
+        Returns a result for the row, or None if the process ended by itself."""
+        signalled = False
+        while process.poll() is None:
+            time.sleep(0.05 if signal_after else 0.5)  # a demo step on a GPU takes a few hundredths of a second
+            done = len(read_records(output_dir))
+            if signal_after and not signalled and done >= signal_after:
+                signal_job(process.pid, signal.SIGTERM)
+                signalled = True
+            status = (f"ok (stopped after {stop_after} steps)" if stop_after and done >= stop_after else
+                      "stopped: out of time (--time_limit)" if self.time_left() <= 0 else None)
+            if status:
+                os.killpg(process.pid, signal.SIGKILL)  # not SIGTERM: the step would save a checkpoint
+                process.wait()
+                return status
+        return None
+
+    def run(self, row_id, setup, script, nproc, arguments, stop_after=None, random_weights=False, plan=None):
+        """One step script run: its own process(es), its log next to its output folder."""
+        check = ROWS[row_id][0]
+        if not self.enough_time(row_id, setup):
+            return None
+        started = time.monotonic()
+        output_dir, log = self.fresh(row_id)
         row = {"check": check, "setup": setup}
         if plan is not None:
             row["planned_peak_gib"] = plan["peak"] / GiB
-        remaining = self.deadline - time.monotonic()
-        if remaining < 30:
-            self.rows.append({**row, "result": "not run: the time limit (--time_limit) is used up"})
-            return
-        with log.open("w") as out:
-            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env,
-                                       start_new_session=True)  # its own process group: stopped as a whole
-            status = None
-            while process.poll() is None:
-                time.sleep(2)
-                if stop_after and len(read_records(output_dir)) >= stop_after:
-                    status = f"ok (stopped after {stop_after} steps)"
-                elif time.monotonic() > self.deadline:
-                    status = "stopped: out of time (--time_limit)"
-                if status:
-                    os.killpg(process.pid, signal.SIGKILL)  # not SIGTERM: the step would save a checkpoint
-                    process.wait()
-        if status is None:
-            text = log.read_text(errors="replace")
-            status = ("ok" if process.returncode == 0 else "out of memory" if "out of memory" in text.lower()
-                      else f"failed (exit {process.returncode}, see {log})")
-        row["losses"] = [record["loss"] for record in read_records(output_dir)]
-        row["mean_loss"] = mean(row["losses"])
-        records = read_records(output_dir)[1:]  # the first step warms up: not counted
-        row.update(result=status, seconds=round(time.monotonic() - started))
-        if records:
-            row["tokens_per_s_per_gpu"] = sum(r["tokens_per_s_per_device"] for r in records) / len(records)
-            if all("mfu" in r for r in records):
-                row["mfu"] = sum(r["mfu"] for r in records) / len(records)
-            if "peak_gpu_allocated_mib" in records[-1]:
-                row["peak_allocated_gib"] = records[-1]["peak_gpu_allocated_mib"] / 1024
-        self.rows.append(row)
+        process = self.start(script, nproc, self.step_arguments(output_dir, "--overwrite", *arguments), log,
+                             random_weights)
+        status = self.wait(process, output_dir, stop_after) or exit_result(process.returncode, log)
+        row.update(result=status, seconds=round(time.monotonic() - started), **figures(output_dir))
         print(f"{check}: {status} in {row['seconds']} s", flush=True)
+        return self.add(row)
+
+    def step_arguments(self, output_dir, *arguments):
+        return ["--output_dir", output_dir, "--data_dir", self.args.data_dir, *arguments]
+
+    def fresh(self, row_id):
+        output_dir, log = self.work_dir / row_id, self.work_dir / f"{row_id}.log"
+        shutil.rmtree(output_dir, ignore_errors=True)
+        log.unlink(missing_ok=True)
+        return output_dir, log
+
+    def plan(self, step, argv):
+        """The plan check's figures for the job that `argv` describes, or None where it cannot run
+        (or the time is up: it takes up to half a minute of CPU for the 7B shape)."""
+        if self.time_left() < 60:
+            print("plan check not run: less than a minute of --time_limit left", flush=True)
+            return None
+        from tools import check_plan  # torch and transformers on fake tensors: only when asked
+        args = check_plan.load_step(step).parse_arguments(["--output_dir", "(plan check)", *map(str, argv)])
+        try:
+            return check_plan.plan(args, self.ranks, 1, step)
+        except check_plan.PlanUnavailable as err:
+            print(f"plan check unavailable: {err}", flush=True)
+            return None
+
+
+def signal_job(pid, signum):
+    """`signum` to a process and all of its descendants at once, as slurmstepd signals a job's processes."""
+    root = psutil.Process(pid)
+    for process in [root, *root.children(recursive=True)]:
+        try:
+            process.send_signal(signum)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def exit_result(returncode, log):
+    text = log.read_text(errors="replace")
+    return ("ok" if returncode == 0 else "out of memory" if "out of memory" in text.lower()
+            else f"failed (exit {returncode}, see {log})")
 
 
 def read_records(output_dir):
@@ -165,14 +237,19 @@ def read_records(output_dir):
     return [json.loads(line) for line in lines if line.endswith("}")]  # a line being written is left out
 
 
-def planned(plan_module, step, argv, ranks):
-    """The plan check's figures for the job that `argv` describes, or None where it cannot run."""
-    args = plan_module.load_step(step).parse_arguments(["--output_dir", "(plan check)", *map(str, argv)])
-    try:
-        return plan_module.plan(args, ranks, 1, step)
-    except plan_module.PlanUnavailable as err:
-        print(f"plan check unavailable: {err}", flush=True)
-        return None
+def figures(output_dir):
+    """Losses, and tokens/s, MFU and peak memory without the first step (it warms up)."""
+    records = read_records(output_dir)
+    found = {"losses": [record["loss"] for record in records]}
+    found["mean_loss"] = mean(found["losses"])
+    timed = records[1:]
+    if timed:
+        found["tokens_per_s_per_gpu"] = mean([r["tokens_per_s_per_device"] for r in timed])
+        if all("mfu" in r for r in timed):
+            found["mfu"] = mean([r["mfu"] for r in timed])
+        if "peak_gpu_allocated_mib" in timed[-1]:
+            found["peak_allocated_gib"] = timed[-1]["peak_gpu_allocated_mib"] / 1024
+    return found
 
 
 def mean(values):
@@ -180,23 +257,23 @@ def mean(values):
 
 
 def quantized_weights(config):
-    """The weights bitsandbytes stores in 4 bits: every linear layer of the decoder (not lm_head)."""
+    """The weights stored in 4 bits: every linear layer of the decoder (not lm_head)."""
     hidden, layers = config["hidden_size"], config["num_hidden_layers"]
     kv = hidden * config.get("num_key_value_heads", config["num_attention_heads"]) // config["num_attention_heads"]
     return layers * (2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * config["intermediate_size"])
 
 
-def compare_qlora(qlora, lora, config, ranks):
-    """QLoRA's row fails unless its 4-bit weights show in its memory against LoRA's (fp32 frozen
+def compare_qlora(qlora, lora, config, ranks, on_gpu=True):
+    """QLoRA's row fails unless its 4-bit weights show in its GPU memory against LoRA's (fp32 frozen
     weights: at least half of the 3.5 bytes per weight that 4 bits save, per GPU) and its loss
     stays within QLORA_LOSS_TOLERANCE of LoRA's over the same steps."""
     if not (qlora["result"].startswith("ok") and lora["result"].startswith("ok")):
         return
     problems = []
     expected = quantized_weights(config) * 3.5 / ranks / GiB
-    if qlora.get("peak_allocated_gib") is None or lora.get("peak_allocated_gib") is None:
+    if on_gpu and (qlora.get("peak_allocated_gib") is None or lora.get("peak_allocated_gib") is None):
         problems.append("no peak memory recorded to compare with LoRA's")
-    elif lora["peak_allocated_gib"] - qlora["peak_allocated_gib"] < expected / 2:
+    elif on_gpu and lora["peak_allocated_gib"] - qlora["peak_allocated_gib"] < expected / 2:
         problems.append(f"peak {qlora['peak_allocated_gib']:.1f} GiB per GPU against LoRA's "
                         f"{lora['peak_allocated_gib']:.1f}: 4-bit weights should save about {expected:.1f} GiB "
                         "(was the quantisation lost in sharding?)")
@@ -246,20 +323,58 @@ def table(rows):
     return "\n".join(lines)
 
 
+def write_report(runner, final):
+    """gpu_check.md and gpu_check.json as they stand: every row done so far, and the verdict at the
+    end (each file replaced whole, so that a run killed while writing leaves the last complete one)."""
+    if final:
+        last_line, _ = verdict(runner.rows, runner.on_gpu, runner.hardware)
+    else:
+        last_line = f"in progress: {len(runner.rows)} check(s) done so far"
+    lines = [f"`benchmark/gpu_check.py {' '.join(sys.argv[1:])}`, {time.strftime('%Y-%m-%d')}, {runner.hardware}, "
+             f"torch {torch.__version__}.", "", table(runner.rows), "",
+             "Peak allocated: rank 0's torch.cuda.max_memory_allocated over the whole run (loading and the first "
+             "evaluation too); the plan check predicts the training steps' peak, of tensors only. "
+             + mfu_note(runner.on_gpu), "", last_line]
+    report = {"hardware": runner.hardware, "rows": runner.rows, "verdict": last_line}
+    for name, text in (("gpu_check.md", "\n".join(lines) + "\n"), ("gpu_check.json", json.dumps(report, indent=1))):
+        partial = runner.work_dir / f".{name}.partial"
+        partial.write_text(text)
+        partial.replace(runner.work_dir / name)
+    return "\n".join(lines) + "\n"
+
+
+def most_rows(estimate_memory, model_dir, job, ranks, lora, most=MOST_ROWS):
+    """The most rows per GPU (a power of two, at most `most`) at which the job fits this GPU by the
+    estimate; 0 if not even one row fits."""
+    config, _ = estimate_memory.load_config(str(model_dir))
+    shape = estimate_memory.model_shape(config, str(model_dir))
+    gpu = estimate_memory.gpu_memory_default()
+    for rows in (2 ** k for k in range(most.bit_length() - 1, -1, -1)):
+        args = argparse.Namespace(**{**vars(job), "batch_size_per_device": rows, "total_batch_size": rows * ranks})
+        if estimate_memory.fits(estimate_memory.estimate_job(shape, args, ranks, 1, lora=lora)["peak"], gpu):
+            return rows
+    return 0
+
+
 def parse_arguments():
     parser = Parser(__doc__.split("\n\n")[0])
-    parser.add("steps", type=int, default=4, help="optimiser steps per 7B-shape run (the first is not counted)")
-    parser.add("seq_length", type=int, default=2048, help="tokens per row of the 7B-shape runs")
+    parser.add("only", default=",".join(ROWS), help=f"the rows to run, comma-separated ids: {', '.join(ROWS)}")
+    parser.add("steps", type=at_least(2), default=4, help="optimiser steps per 7B-shape run (the first is not counted)")
+    parser.add("seq_length", type=at_least(16), default=2048, help="tokens per row of the 7B-shape runs")
+    parser.add("batch_size_per_device", type=at_least(1), default=None,
+               help=f"rows per GPU of the 7B-shape runs (default: the most that fit, up to {MOST_ROWS})")
     for flag, key in SHAPE_FLAGS.items():
-        parser.add(flag, type=int, default=None, help=f"override {key} (a shrunk shape for the CPU)")
+        parser.add(flag, type=at_least(1), default=None, help=f"override {key} (a shrunk shape for the CPU)")
     parser.add("data_dir", default=str(DEMO_DIR / "data"), help="the games (the demo's)")
     parser.add("tokenizer", default=str(DEMO_DIR / "model"), help="a directory with tokenizer.json (the demo's)")
     parser.add("work_dir", default=str(REPO / "runs" / "gpu_check"), help="the runs, their logs and the table")
-    parser.add("time_limit", type=int, default=1800,
-               help="seconds for everything (three 7B loads among them); checks that do not fit are not run")
+    parser.add("time_limit", type=at_least(60), default=480,
+               help="seconds for everything, loads included; a row that does not fit in the time left is not run")
     args = parser.parse_args()
-    if args.steps < 2:
-        raise UserError(f"--steps must be at least 2: the first is not counted (got {args.steps})")
+    args.only = [row.strip() for row in args.only.split(",") if row.strip()]
+    unknown = [row for row in args.only if row not in ROWS]
+    if unknown or not args.only:
+        raise UserError(f"--only {','.join(unknown) or '(none)'}: the rows are {', '.join(ROWS)}")
     if not (Path(args.tokenizer) / "tokenizer.json").is_file() or not (Path(args.data_dir) / "train.jsonl").is_file():
         raise UserError(f"no tokenizer in {args.tokenizer} or no train.jsonl in {args.data_dir}: run `{DEMO_DOWNLOAD}`")
     return args
@@ -270,86 +385,183 @@ def main():
     on_gpu = torch.cuda.is_available()
     ranks = torch.cuda.device_count() if on_gpu else 2
     hardware = f"{ranks} x {torch.cuda.get_device_name(0)}" if on_gpu else f"no CUDA: {ranks} CPU processes, gloo"
-    runner = Runner(args, on_gpu, ranks)
+    runner = Runner(args, on_gpu, ranks, hardware)
     runner.work_dir.mkdir(parents=True, exist_ok=True)
     backend = "nccl" if on_gpu else "gloo, CPU"
     precision = "bf16" if on_gpu else "fp32"
+    wanted = set(args.only)
+    print(f"gpu_check on {hardware}: {', '.join(args.only)} within {args.time_limit} s", flush=True)
 
     def demo(total_batch_size):  # a few steps, one evaluation, a save
-        return ["--model", args.tokenizer, "--max_steps", 5, "--eval_every", 0, "--eval_rows", 2 * ranks,
+        return ["--model", args.tokenizer, "--max_steps", DEMO_STEPS, "--eval_every", 0, "--eval_rows", 2 * ranks,
                 "--eval_games", 2 * ranks, "--max_seq_length", 128, "--total_batch_size", total_batch_size,
                 "--batch_size_per_device", 4]
-    print(f"gpu_check on {hardware}", flush=True)
+    sharded_demo = demo(4 * ranks) + ["--precision", precision]
 
-    # Steps 2, 3 and 4 on the demo model: do they run on this machine's GPUs?
-    if on_gpu:
-        runner.run("step 2", "demo model, 1 GPU, bf16 autocast", "02_singlegpu/train.py", None,
-                   demo(4) + ["--device", "cuda"])
-    else:
-        runner.skip("step 2", "demo model, 1 GPU, bf16 autocast", "no CUDA GPU here")
-    runner.run("step 3", f"demo model, DDP, {ranks} ranks, {backend}", "03_ddp/train.py", ranks, demo(4 * ranks))
-    from tools import check_plan as plan_module  # torch and transformers: only when asked
-    fsdp_demo = demo(4 * ranks) + ["--precision", precision]
-    runner.run("step 4", f"demo model, FSDP FULL_SHARD, {ranks} ranks, {backend}", "04_fsdp/train.py", ranks,
-               fsdp_demo, plan=planned(plan_module, "fsdp", fsdp_demo, ranks))
-    for check, script in (("step 4, CPU offload", "04_fsdp/train.py"), ("step 5, CPU offload", "05_lora/train.py")):
-        setup = f"demo model, --cpu_offload, {ranks} ranks, nccl + gloo"
+    # The steps on the demo model: do they run on this machine's GPUs?
+    if "step2" in wanted:
         if on_gpu:
-            runner.run(check, setup, script, ranks, fsdp_demo + ["--cpu_offload"])
+            runner.run("step2", "demo model, 1 GPU, bf16 autocast", "02_singlegpu/train.py", None,
+                       demo(4) + ["--device", "cuda"])
         else:
-            runner.skip(check, setup, "no CUDA GPU here (tests/test_fsdp_options.py offloads on the CPU)")
-
+            runner.skip("step 2", "demo model, 1 GPU, bf16 autocast", "no CUDA GPU here")
+    if "step3" in wanted:
+        runner.run("step3", f"demo model, DDP, {ranks} ranks, {backend}", "03_ddp/train.py", ranks, demo(4 * ranks))
+    if "step4" in wanted:
+        runner.run("step4", f"demo model, FSDP FULL_SHARD, {ranks} ranks, {backend}", "04_fsdp/train.py", ranks,
+                   sharded_demo, plan=runner.plan("fsdp", sharded_demo))
+    if "step5" in wanted:
+        runner.run("step5", f"demo model, LoRA, FULL_SHARD, {ranks} ranks, {backend}", "05_lora/train.py", ranks,
+                   sharded_demo)
+    if "preemption" in wanted:
+        preemption(runner, sharded_demo, backend)
     # The 7B shape with random weights.
+    from tools import estimate_memory
     model_dir = runner.work_dir / "model"
-    make_model_dir(args, model_dir)
-    job = ["--model", model_dir, "--max_seq_length", args.seq_length, "--batch_size_per_device", 1,
-           "--total_batch_size", ranks, "--gradient_checkpointing", "--precision", precision, "--max_steps", 1000,
-           "--eval_every", 0, "--eval_rows", ranks, "--eval_games", ranks]  # stopped long before step 1000
-    config = json.loads((model_dir / "config.json").read_text())
-    shape = (f"{config['num_hidden_layers']} layers, hidden {config['hidden_size']}, random weights, "
-             f"FULL_SHARD x {ranks}, 1 x {args.seq_length} tokens, checkpointing")
-    lora_plan = planned(plan_module, "lora", job, ranks)
-    runner.run("7B shape, LoRA", shape, "05_lora/train.py", ranks, job, stop_after=args.steps, random_weights=True,
-               plan=lora_plan)
-    if not on_gpu:
-        runner.skip("7B shape, QLoRA", shape, "needs CUDA and bitsandbytes")
-    elif importlib.util.find_spec("bitsandbytes") is None:
-        runner.rows.append({"check": "7B shape, QLoRA", "setup": shape, "result": "not run: bitsandbytes is not "
-                            "installed (environment.yml installs it; or pip install bitsandbytes)"})
-    else:  # the plan check cannot build a 4-bit model on fake tensors: no prediction
-        runner.run("7B shape, QLoRA", shape, "05_lora/train.py", ranks, job + ["--qlora"], stop_after=args.steps,
-                   random_weights=True)
-        compare_qlora(runner.rows[-1], next(row for row in runner.rows if row["check"] == "7B shape, LoRA"), config,
-                      ranks)
-    # Full fine-tuning: FULL_SHARD, or where the plan check says that does not fit, with the sharded
-    # state in host RAM (FSDP's CPU offload), if this machine has the RAM.
-    full, setup = job, shape
-    full_plan = planned(plan_module, "fsdp", full, ranks)
-    if full_plan is not None and not full_plan["fits"]:
-        import psutil
-        full, setup = job + ["--cpu_offload"], shape + ", CPU offload"
-        full_plan = planned(plan_module, "fsdp", full, ranks)
-        host, ram = full_plan["host_per_rank"] * ranks * 1.1, psutil.virtual_memory().total  # 10 % to spare
-        if host > ram:
-            runner.skip("7B shape, full fine-tuning", setup, f"does not fit on {ranks} GPU(s); offloaded it needs "
-                        f"{host / GiB:.0f} GiB of host RAM, this machine has {ram / GiB:.0f}")
-            full = None
-    if full is not None:
-        runner.run("7B shape, full fine-tuning", setup, "04_fsdp/train.py", ranks, full, stop_after=args.steps,
-                   random_weights=True, plan=full_plan)
+    config = make_model_dir(args, model_dir)
+    if "nf4_sharding" in wanted:
+        nf4_sharding(runner, model_dir, min(2, ranks))
 
-    last_line, status = verdict(runner.rows, on_gpu, hardware)
-    lines = [f"`benchmark/gpu_check.py {' '.join(sys.argv[1:])}`, {time.strftime('%Y-%m-%d')}, {hardware}, "
-             f"torch {torch.__version__}.", "", table(runner.rows), "",
-             "Peak allocated: rank 0's torch.cuda.max_memory_allocated over the whole run (loading and the first "
-             "evaluation too); the plan check predicts the training steps' peak, of tensors only. " + mfu_note(on_gpu),
-             "", last_line]
-    text = "\n".join(lines) + "\n"
-    (runner.work_dir / "gpu_check.md").write_text(text)
-    (runner.work_dir / "gpu_check.json").write_text(json.dumps({"hardware": hardware, "rows": runner.rows,
-                                                                "verdict": last_line}, indent=1) + "\n")
+    def job(rows, model=model_dir):  # stopped long before step 1000
+        return ["--model", model, "--max_seq_length", args.seq_length, "--batch_size_per_device", rows,
+                "--total_batch_size", rows * ranks, "--gradient_checkpointing", "--precision", precision,
+                "--max_steps", 1000, "--eval_every", 0, "--eval_rows", ranks, "--eval_games", ranks]
+    if wanted & {"lora", "qlora"}:
+        from launch.steps import load_step
+        lora_args = load_step("lora").parse_arguments(["--output_dir", "unused", *map(str, job(1))])
+        rows = args.batch_size_per_device or most_rows(estimate_memory, model_dir, lora_args, ranks, lora=True)
+        lora_job = job(max(rows, 1))
+        shape = (f"{config['num_hidden_layers']} layers, hidden {config['hidden_size']}, random weights, "
+                 f"FULL_SHARD x {ranks}, {max(rows, 1)} x {args.seq_length} tokens per GPU, checkpointing")
+    qlora = lora = None
+    if "qlora" in wanted:
+        qlora = runner.run("qlora", shape + ", 4-bit base", "05_lora/train.py", ranks, lora_job + ["--qlora"],
+                           stop_after=args.steps, random_weights=True, plan=runner.plan("lora", lora_job + ["--qlora"]))
+    if "lora" in wanted:
+        lora = runner.run("lora", shape, "05_lora/train.py", ranks, lora_job, stop_after=args.steps,
+                          random_weights=True, plan=runner.plan("lora", lora_job))
+    if qlora and lora:
+        compare_qlora(qlora, lora, config, ranks, on_gpu)
+        write_report(runner, final=False)
+    if "full" in wanted:
+        largest_full_fine_tune(runner, args, config, job, ranks, estimate_memory)
+    for row_id, script in (("offload4", "04_fsdp/train.py"), ("offload5", "05_lora/train.py")):
+        if row_id in wanted:
+            setup = f"demo model, --cpu_offload, {ranks} ranks, nccl + gloo"
+            if on_gpu:
+                runner.run(row_id, setup, script, ranks, sharded_demo + ["--cpu_offload"])
+            else:
+                runner.skip(ROWS[row_id][0], setup, "no CUDA GPU here (tests/test_fsdp_options.py offloads on the CPU)")
+    if "full_offload" in wanted:
+        full_offload(runner, config, job(1), ranks, estimate_memory, model_dir)
+
+    text = write_report(runner, final=True)
     print(f"wrote {runner.work_dir / 'gpu_check.md'} and gpu_check.json\n\n" + text, end="", flush=True)
-    return status
+    return verdict(runner.rows, on_gpu, hardware)[1]
+
+
+def preemption(runner, arguments, backend):
+    """Step 4 as the step4 row runs it, with the loader's workers, stopped by SIGTERM to every process
+    of the job once 3 steps are done, then resumed to the end."""
+    setup = f"demo model, FSDP, {runner.ranks} ranks, {backend}, 2 loader workers, SIGTERM to every process"
+    if not runner.enough_time("preemption", setup):
+        return
+    started = time.monotonic()
+    output_dir, log = runner.fresh("preemption")
+    arguments = [*arguments, "--data_workers", 2]
+    launch = dict(script="04_fsdp/train.py", nproc=runner.ranks, log=log, launcher="launch.torchrun")
+    process = runner.start(arguments=runner.step_arguments(output_dir, "--overwrite", *arguments), **launch)
+    status = runner.wait(process, output_dir, signal_after=3)
+    text = log.read_text(errors="replace")
+    saved = [line for line in text.splitlines() if line.startswith("preempted: saved a checkpoint at step ")]
+    if status is None:
+        if process.returncode != 128 + signal.SIGTERM or not saved or "Traceback" in text or "killed by" in text:
+            status = f"FAILED: the SIGTERM did not end in a checkpoint and a `preempted:` line (see {log})"
+        else:
+            resumed = runner.start(arguments=runner.step_arguments(output_dir, "--resume", *arguments), **launch)
+            status = runner.wait(resumed, output_dir) or exit_result(resumed.returncode, log)
+    row = {"check": ROWS["preemption"][0], "setup": setup, "result": status,
+           "seconds": round(time.monotonic() - started), **figures(output_dir)}
+    if status == "ok":
+        reference = next((r for r in runner.rows if r["check"] == ROWS["step4"][0] and r["result"] == "ok"), None)
+        steps = [r["step"] for r in read_records(output_dir)]
+        if steps != list(range(1, DEMO_STEPS + 1)):
+            row["result"] = f"FAILED: the resumed run's steps are not each step once ({steps})"
+        elif reference is None:
+            row["result"] = f"ok: {saved[0]}, resumed to the end (no step4 row to compare its losses with)"
+        else:
+            worst = max(abs(a - b) for a, b in zip(row["losses"], reference["losses"]))
+            row["result"] = (f"ok: {saved[0].split(' in ')[0].removeprefix('preempted: ')}, resumed; losses within "
+                             f"{worst:.1e} of step4's" if worst <= 1e-4 else
+                             f"FAILED: the resumed losses differ from step4's by up to {worst:.1e}")
+    print(f"preemption: {row['result']}", flush=True)
+    runner.add(row)
+
+
+def nf4_sharding(runner, model_dir, ranks):
+    setup = f"2 layers of the 7B shape, NF4 + LoRA, fp32 compute, {ranks} rank(s)"
+    if not runner.enough_time("nf4_sharding", setup):
+        return
+    started = time.monotonic()
+    _, log = runner.fresh("nf4_sharding")
+    process = runner.start("benchmark/nf4_sharding.py", ranks, ["--model", model_dir, "--layers", 2], log)
+    process.wait()
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.startswith('{"ranks"')]
+    row = {"check": ROWS["nf4_sharding"][0], "setup": setup, "seconds": round(time.monotonic() - started)}
+    if process.returncode == 0 and lines:
+        found = json.loads(lines[-1])
+        row["result"] = (f"ok: the same logits to {found['max_difference']:.1e} (scale {found['logit_scale']:.2f}); "
+                         f"{found['split_4bit_weights']} 4-bit weights split, {found['whole_4bit_weights']} kept whole")
+    else:
+        row["result"] = f"FAILED (exit {process.returncode}, see {log})"
+    runner.add(row)
+
+
+def largest_full_fine_tune(runner, args, config, job, ranks, estimate_memory):
+    """The most of the 7B shape's layers that a full fine-tune fits with FULL_ROWS rows per GPU, then
+    the most rows that still fit: its MFU is what full fine-tuning reaches on this GPU."""
+    from launch.steps import load_step
+    full_dir = runner.work_dir / "full_model"
+    layers = config["num_hidden_layers"]
+    rows = args.batch_size_per_device
+    while layers > 0:
+        make_model_dir(args, full_dir, layers)
+        step_args = load_step("fsdp").parse_arguments(["--output_dir", "unused", *map(str, job(1, full_dir))])
+        rows = args.batch_size_per_device or most_rows(estimate_memory, full_dir, step_args, ranks, lora=False)
+        if rows >= min(FULL_ROWS, args.batch_size_per_device or FULL_ROWS):
+            break
+        layers -= 1
+    setup = (f"{layers} of the 7B shape's {config['num_hidden_layers']} layers, random weights, FULL_SHARD x {ranks}, "
+             f"{rows} x {args.seq_length} tokens per GPU, checkpointing, AdamW")
+    if layers == 0:
+        runner.skip(ROWS["full"][0], setup, "not even one layer of the 7B shape fits")
+        return
+    full = job(rows, full_dir)
+    runner.run("full", setup, "04_fsdp/train.py", ranks, full, stop_after=args.steps, random_weights=True,
+               plan=runner.plan("fsdp", full))
+
+
+def full_offload(runner, config, job, ranks, estimate_memory, model_dir):
+    """The whole 7B shape, full fine-tuning with the sharded state in host memory, where it does not
+    fit the GPUs otherwise and the host has the memory."""
+    from launch.steps import load_step
+    setup = f"{config['num_hidden_layers']} layers, random weights, FULL_SHARD x {ranks}, CPU offload"
+    step_args = load_step("fsdp").parse_arguments(["--output_dir", "unused", *map(str, job)])
+    if most_rows(estimate_memory, model_dir, step_args, ranks, lora=False, most=1):
+        runner.skip(ROWS["full_offload"][0], setup, "fits the GPUs without offload (see full fine-tuning)")
+        return
+    shape = estimate_memory.model_shape(estimate_memory.load_config(str(model_dir))[0], str(model_dir))
+    host = estimate_memory.loading_bytes(shape) * 4 * 1.1  # fp32 weights, gradients and AdamW's two, 10 % to spare
+    available = psutil.virtual_memory().available
+    if host > available:
+        runner.skip(ROWS["full_offload"][0], setup, f"offloaded it needs {host / GiB:.0f} GiB of host memory, "
+                    f"{available / GiB:.0f} GiB are available")
+        return
+    if runner.time_left() < ROWS["full_offload"][1]:
+        runner.skip(ROWS["full_offload"][0], setup, f"needs about {ROWS['full_offload'][1]} s: raise --time_limit")
+        return
+    runner.run("full_offload", setup, "04_fsdp/train.py", ranks, job + ["--cpu_offload"], stop_after=runner.args.steps,
+               random_weights=True)
 
 
 if __name__ == "__main__":

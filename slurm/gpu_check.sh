@@ -1,8 +1,8 @@
 #!/bin/bash
 # The GPU check (benchmark/gpu_check.py) as a Slurm job, on one node with all its GPUs. A site runs
-# it once before the workshop: every step on the GPUs, the CodeLlama-7b shape's speed and memory
-# (random weights: nothing is downloaded but the demo), QLoRA against LoRA. The job's output ends
-# with the table and a verdict line; the job fails unless the node is ready.
+# it once before the workshop: every step on the GPUs, preemption, the CodeLlama-7b shape's speed and
+# memory (random weights: nothing is downloaded but the demo), QLoRA against LoRA. The job's output
+# ends with the table and a verdict line; the job fails unless the node is ready.
 #
 #   python 01_download/download.py --demo --out demo       # once, on the login node
 #   sbatch slurm/gpu_check.sh                              # from the repository root
@@ -19,7 +19,7 @@
 #SBATCH --gpus-per-node=8          # all the GPUs of one node
 #SBATCH --exclusive                # the whole node: full fine-tuning may offload to its host RAM
 #SBATCH --mem=0                    # all of the node's memory
-#SBATCH --time=00:45:00            # the check stops itself after 30 minutes (--time_limit)
+#SBATCH --time=00:15:00            # the check stops itself after 8 minutes (--time_limit)
 ##SBATCH --partition=gpu           # remove one '#' to use
 ##SBATCH --account=my_project
 # Software: by default the job runs in the environment of the shell that ran sbatch (sbatch

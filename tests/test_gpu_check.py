@@ -1,13 +1,17 @@
 """benchmark/gpu_check.py on the CPU with a shrunk shape, started the way a site starts it, by
-slurm/gpu_check.sh: every row is there; steps 3 and 4 and the 7B-shape runs go through gloo; what
-needs CUDA is skipped with its reason, no GPU figure is made up (MFU and GPU memory stay empty), and
-the verdict, the output's last line, is "NOT ready". The verdict's and QLoRA's rules, and the
-template's refusals, are checked on their own below."""
+slurm/gpu_check.sh: every row is there; the steps, preemption, QLoRA's sharding check and the
+7B-shape runs go through gloo; what needs CUDA is skipped with its reason, no GPU figure is made up
+(MFU and GPU memory stay empty), and the verdict, the output's last line, is "NOT ready". The
+table is written as each row ends, the time limit is checked before each row, --only chooses rows.
+The verdict's and QLoRA's rules, and the template's refusals, are checked on their own below."""
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,8 +19,11 @@ import pytest
 from conftest import REPO
 from benchmark import gpu_check
 
-ROWS = ["step 2", "step 3", "step 4", "step 4, CPU offload", "step 5, CPU offload", "7B shape, LoRA",
-        "7B shape, QLoRA", "7B shape, full fine-tuning"]
+ROWS = ["step 2", "step 3", "step 4", "step 5", "preemption, step 4", "QLoRA sharding", "7B shape, QLoRA",
+        "7B shape, LoRA", "full fine-tuning", "step 4, CPU offload", "step 5, CPU offload",
+        "7B shape, full fine-tuning, CPU offload"]
+SHRUNK = ["--layers", "2", "--hidden", "128", "--heads", "2", "--intermediate", "256", "--seq_length", "64",
+          "--steps", "2", "--batch_size_per_device", "2"]
 
 
 def sbatch_environment(nodes=1, gpus=2, **extra):
@@ -32,9 +39,8 @@ def sbatch_environment(nodes=1, gpus=2, **extra):
 def cpu_run(demo, tmp_path_factory):
     """One run of the whole check through the template: 2 CPU processes, 2 layers of hidden 128."""
     work_dir = tmp_path_factory.mktemp("gpu_check")
-    command = [shutil.which("bash"), "slurm/gpu_check.sh", "--layers", "2", "--hidden", "128",
-               "--heads", "2", "--intermediate", "256", "--seq_length", "64", "--steps", "2",
-               "--data_dir", str(demo / "data"), "--tokenizer", str(demo / "model")]
+    command = [shutil.which("bash"), "slurm/gpu_check.sh", *SHRUNK, "--data_dir", str(demo / "data"),
+               "--tokenizer", str(demo / "model")]
     env = sbatch_environment(WORK_DIR=str(work_dir), CUDA_VISIBLE_DEVICES="")  # the CPU path, even with a GPU
     done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env, cwd=REPO)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]  # no GPU: not ready
@@ -46,7 +52,7 @@ def test_the_job_ends_with_the_table_and_the_verdict(cpu_run):
     assert stdout.startswith(f"job 17: GPU check on node1, 2 GPU(s); table in {work_dir}\n")
     assert stdout.endswith((work_dir / "gpu_check.md").read_text())
     assert stdout.splitlines()[-1] == ("verdict: NOT ready: no usable CUDA GPU here; of the checks that run on the "
-                                       "CPU 4 passed")
+                                       "CPU 8 passed")
     assert json.loads((work_dir / "gpu_check.json").read_text())["verdict"] == stdout.splitlines()[-1]
 
 
@@ -63,22 +69,30 @@ def test_the_cpu_runs_what_it_can_and_says_why_it_skips_the_rest(cpu_run):
     work_dir, _ = cpu_run
     rows = {row["check"]: row for row in json.loads((work_dir / "gpu_check.json").read_text())["rows"]}
     assert rows["step 2"]["result"] == "skipped: no CUDA GPU here"
-    assert rows["7B shape, QLoRA"]["result"] == "skipped: needs CUDA and bitsandbytes"
     for check in ("step 4, CPU offload", "step 5, CPU offload"):
         assert rows[check]["result"].startswith("skipped: no CUDA GPU here")
-    for check in ("step 3", "step 4"):
+    for check in ("step 3", "step 4", "step 5"):
         assert rows[check]["result"] == "ok" and "gloo, CPU" in rows[check]["setup"]
-    for check in ("7B shape, LoRA", "7B shape, full fine-tuning"):
+    # SIGTERM to every process of a run with loader workers: saved, resumed, step 4's losses
+    assert re.fullmatch(r"ok: saved a checkpoint at step \d+, resumed; losses within \S+ of step4's",
+                        rows["preemption, step 4"]["result"]), rows["preemption, step 4"]
+    assert re.fullmatch(r"ok: the same logits to \S+ \(scale \S+\); 14 4-bit weights split, 0 kept whole",
+                        rows["QLoRA sharding"]["result"]), rows["QLoRA sharding"]
+    for row_id, check in (("lora", "7B shape, LoRA"), ("qlora", "7B shape, QLoRA"), ("full", "full fine-tuning")):
         assert rows[check]["result"] == "ok (stopped after 2 steps)", rows[check]
-        assert "2 layers, hidden 128" in rows[check]["setup"]
-        assert not (work_dir / check.replace(" ", "_").replace(",", "") / "checkpoints").exists()  # stopped first
+        assert "2 x 64 tokens per GPU" in rows[check]["setup"]
+        assert not (work_dir / row_id / "checkpoints").exists()  # stopped first
+    assert "2 layers, hidden 128" in rows["7B shape, LoRA"]["setup"]
+    assert rows["full fine-tuning"]["setup"].startswith("2 of the 7B shape's 2 layers")
+    assert rows["7B shape, full fine-tuning, CPU offload"]["result"] == (
+        "skipped: fits the GPUs without offload (see full fine-tuning)")
     for row in rows.values():
         assert "mfu" not in row and "peak_allocated_gib" not in row  # nothing measured a GPU
-        if row["result"].startswith("ok"):
+        if row["result"].startswith("ok") and "losses" in row:
             assert row["tokens_per_s_per_gpu"] > 0
-    # The plan check's prediction sits next to the runs that FSDP shards.
-    assert all(rows[check]["planned_peak_gib"] > 0 for check in ("step 4", "7B shape, LoRA",
-                                                                   "7B shape, full fine-tuning"))
+    # The plan check's prediction sits next to the runs that FSDP shards, QLoRA's 4-bit model too.
+    assert all(rows[check]["planned_peak_gib"] > 0 for check in ("step 4", "7B shape, LoRA", "7B shape, QLoRA",
+                                                                   "full fine-tuning"))
 
 
 def test_the_7b_shape_is_codellamas_with_the_demo_tokenizer(cpu_run):
@@ -87,6 +101,60 @@ def test_the_7b_shape_is_codellamas_with_the_demo_tokenizer(cpu_run):
     assert (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (2, 128, 32016)
     assert not list((work_dir / "model").glob("*.safetensors"))  # random weights: none written
     assert (work_dir / "model" / "tokenizer.json").is_file()
+
+
+def check(demo, work_dir, *arguments):
+    return subprocess.Popen([sys.executable, "benchmark/gpu_check.py", *SHRUNK, "--data_dir", str(demo / "data"),
+                             "--tokenizer", str(demo / "model"), "--work_dir", str(work_dir), *arguments],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            start_new_session=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+
+
+def test_a_run_killed_at_any_moment_leaves_the_rows_done_so_far(demo, tmp_path):
+    """--only runs the rows asked for; each row is in gpu_check.md and .json as soon as it ends."""
+    process = check(demo, tmp_path, "--only", "step3,step4")
+    deadline = time.time() + 300
+    while not (tmp_path / "gpu_check.json").exists():
+        assert process.poll() is None and time.time() < deadline, process.communicate()[0][-3000:]
+        time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGKILL)  # the whole check, its run of step 4 too
+    process.wait()
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert [row["check"] for row in report["rows"]] == ["step 3"] and report["rows"][0]["result"] == "ok"
+    assert report["verdict"] == "in progress: 1 check(s) done so far"
+    table = (tmp_path / "gpu_check.md").read_text()
+    assert "| step 3 | demo model, DDP" in table and "| step 4 |" not in table
+
+
+def test_the_time_limit_is_checked_before_every_run_and_plan_check(demo, tmp_path):
+    """A 7B-shape row needs about two minutes: with one left, neither it nor its plan check starts."""
+    process = check(demo, tmp_path, "--only", "lora", "--time_limit", "60")
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 1, output[-3000:]
+    (row,) = json.loads((tmp_path / "gpu_check.json").read_text())["rows"]
+    assert row["result"].startswith("not run: it needs about 120 s, ") and "planned_peak_gib" not in row, row
+    assert not (tmp_path / "lora").exists()
+    assert "plan check not run: less than a minute of --time_limit left" in output
+
+
+def test_offloading_counts_the_memory_the_host_has_available(demo, tmp_path, monkeypatch):
+    """Host memory that is in use (page cache, other jobs) is not there to offload to: what counts is
+    what is available, not the total."""
+    import argparse
+    import psutil
+    from tools import estimate_memory
+    args = argparse.Namespace(**{flag: None for flag in gpu_check.SHAPE_FLAGS}, tokenizer=str(demo / "model"),
+                              work_dir=str(tmp_path), time_limit=3600, steps=2, seq_length=2048)
+    runner = gpu_check.Runner(args, False, 1, "1 x test GPU")  # on_gpu: the table would ask CUDA for its MFU note
+    config = gpu_check.make_model_dir(args, tmp_path / "model")
+    memory = psutil.virtual_memory()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: memory._replace(total=2 ** 50, available=2 ** 30))
+    monkeypatch.setattr(estimate_memory, "gpu_memory_default", lambda: 80.0)
+    job = ["--model", tmp_path / "model", "--max_seq_length", 2048, "--batch_size_per_device", 1,
+           "--total_batch_size", 1, "--gradient_checkpointing"]
+    gpu_check.full_offload(runner, config, job, 1, estimate_memory, tmp_path / "model")
+    (row,) = runner.rows
+    assert re.fullmatch(r"skipped: offloaded it needs \d+ GiB of host memory, 1 GiB are available", row["result"]), row
 
 
 # ---- the verdict and QLoRA's comparison with LoRA, on rows as the runs leave them ----------------

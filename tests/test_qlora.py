@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from conftest import assert_same_run, demo_args, read_metrics, run_ranks, run_step
+from conftest import REPO, assert_same_run, demo_args, read_metrics, run_ranks, run_step
 from test_lora import validation_loss
 from test_resume import kill_after_first_checkpoint
 
@@ -39,44 +39,13 @@ def test_two_ranks_take_the_steps_of_one_process(demo, tmp_path, two_ranks):
     assert moved > 0 and worst <= 0.02 * moved, (worst, moved)
 
 
-QUANTIZE_AND_SHARD = """
-    import torch, torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
-    from launch.steps import load_step
-    from common.model import load_model
-    from common.nf4 import is_nf4, quantize_frozen_linears
-    dist.init_process_group("gloo")
-    step = load_step("lora")
-    args = step.parse_arguments(["--output_dir", "unused", "--model", MODEL, "--lora_rank", "8"])
-    torch.manual_seed(0)  # the same adapters on both ranks
-    model = step.add_lora(load_model(MODEL), args)
-    for name, param in model.named_parameters():  # B starts at zero: make the adapters count
-        if "lora_B" in name:
-            torch.nn.init.normal_(param, std=0.05, generator=torch.Generator().manual_seed(len(name)))
-    for layer in step.decoder_layers(model):
-        quantize_frozen_linears(layer)
-    ids = torch.randint(0, 128, (2, 48), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        before = model(input_ids=ids).logits
-    # fp32 compute on both sides: what is compared is sharding, not precision
-    step.shard_model(model, init_device_mesh("cpu", (2,)), "FULL_SHARD",
-                     MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32), OffloadPolicy())
-    sharded = sum(is_nf4(p) and hasattr(p, "to_local") for p in model.parameters())
-    with torch.no_grad():
-        after = model(input_ids=ids).logits
-    print(dist.get_rank(), sharded, (after - before).abs().max().item(), before.abs().max().item(), flush=True)
-    dist.destroy_process_group()
-"""
-
-
-def test_the_quantized_model_computes_the_same_after_sharding(demo, tmp_path):
-    """The failure bitsandbytes#1945 reports: after fully_shard its 4-bit weights give other outputs."""
-    output = run_ranks(tmp_path, f"    MODEL = {str(demo / 'model')!r}\n" + QUANTIZE_AND_SHARD)
-    for line in output.splitlines():
-        rank, sharded, difference, scale = line.split()
-        assert int(sharded) == 8 * 7, line  # every 4-bit weight of the 8 layers split over the ranks
-        assert float(difference) <= 1e-5 * float(scale), line
+def test_the_quantized_model_computes_the_same_after_sharding(demo):
+    """The failure bitsandbytes#1945 reports: after fully_shard its 4-bit weights give other outputs.
+    benchmark/nf4_sharding.py (also a row of benchmark/gpu_check.py): fp32 compute, so equal to rounding."""
+    result = run_step(REPO / "benchmark/nf4_sharding.py", ["--model", demo / "model"], nproc=2)
+    figures = json.loads(result.stdout.splitlines()[-1])
+    assert figures["agree"] and figures["max_difference"] <= 1e-5 * figures["logit_scale"], figures
+    assert (figures["split_4bit_weights"], figures["whole_4bit_weights"]) == (8 * 7, 0)  # all 8 layers' split
 
 
 LOAD = """
