@@ -45,7 +45,9 @@ verdict is "NOT ready": nothing here measures a GPU that is not there.
 """
 import argparse
 import json
+import multiprocessing
 import os
+import queue
 import shutil
 import signal
 import subprocess
@@ -75,12 +77,15 @@ QLORA_LOSS_TOLERANCE = 0.02  # QLoRA's mean loss within 2 % of LoRA's over the s
 DEMO_STEPS = 40
 MOST_ROWS = 16  # the 7B-shape runs try up to this many rows per GPU
 FULL_ROWS = 4  # the full fine-tune keeps as many layers as fit with this many rows per GPU
-# id: (check, seconds it needs at least: a row is not started with less time left)
-ROWS = {"step2": ("step 2", 30), "step3": ("step 3", 30), "step4": ("step 4", 30), "step5": ("step 5", 30),
-        "preemption": ("preemption, step 4", 60), "nf4_sharding": ("QLoRA sharding", 30),
-        "qlora": ("7B shape, QLoRA", 120), "lora": ("7B shape, LoRA", 120), "full": ("full fine-tuning", 120),
-        "offload4": ("step 4, CPU offload", 30), "offload5": ("step 5, CPU offload", 30),
+# id: (check, seconds it needs at least: a row is not started with less time left). Measured on one
+# H100 (2026-11-27): the demo's rows 21-29 s (the preemption row's two runs 46), the 7B shape's
+# QLoRA 135 s, LoRA 106, the full fine-tune of 17 layers 61, mostly loading random weights.
+ROWS = {"step2": ("step 2", 25), "step3": ("step 3", 25), "step4": ("step 4", 25), "step5": ("step 5", 25),
+        "preemption": ("preemption, step 4", 45), "nf4_sharding": ("QLoRA sharding", 20),
+        "qlora": ("7B shape, QLoRA", 120), "lora": ("7B shape, LoRA", 100), "full": ("full fine-tuning", 60),
+        "offload4": ("step 4, CPU offload", 25), "offload5": ("step 5, CPU offload", 25),
         "full_offload": ("7B shape, full fine-tuning, CPU offload", 300)}
+OPTIONAL = ("offload4", "offload5", "full_offload")  # run where --time_limit leaves them the time
 
 
 def make_model_dir(args, model_dir, layers=None):
@@ -131,12 +136,14 @@ class Runner:
         return self.add({"check": check, "setup": setup, "result": f"skipped: {why}"})
 
     def enough_time(self, row_id, setup):
-        """False (and the row says so) when less time is left than the row needs."""
+        """False (and the row says so) when less time is left than the row needs: a check not made,
+        or, for the rows that run only where time is left (OPTIONAL), one skipped."""
         check, needs = ROWS[row_id]
         if self.time_left() >= needs:
             return True
-        self.add({"check": check, "setup": setup, "result": f"not run: it needs about {needs} s, "
-                  f"{max(0, self.time_left()):.0f} s of --time_limit were left"})
+        why = f"it needs about {needs} s, {max(0, self.time_left()):.0f} s of --time_limit were left"
+        self.add({"check": check, "setup": setup,
+                  "result": f"skipped: {why} (raise it)" if row_id in OPTIONAL else f"not run: {why}"})
         return False
 
     def start(self, script, nproc, arguments, log, random_weights=False, launcher="torch.distributed.run"):
@@ -172,11 +179,13 @@ class Runner:
                 return status
         return None
 
-    def run(self, row_id, setup, script, nproc, arguments, stop_after=None, random_weights=False, plan=None):
-        """One step script run: its own process(es), its log next to its output folder."""
+    def run(self, row_id, setup, script, nproc, arguments, stop_after=None, random_weights=False, plans=None):
+        """One step script run: its own process(es), its log next to its output folder; beside it the
+        plan check's peak for the same job, if `plans` has it by the time the row must start."""
         check = ROWS[row_id][0]
         if not self.enough_time(row_id, setup):
             return None
+        plan = plans.get(row_id, self.time_left() - ROWS[row_id][1]) if plans else None
         started = time.monotonic()
         output_dir, log = self.fresh(row_id)
         row = {"check": check, "setup": setup}
@@ -198,19 +207,58 @@ class Runner:
         log.unlink(missing_ok=True)
         return output_dir, log
 
-    def plan(self, step, argv):
-        """The plan check's figures for the job that `argv` describes, or None where it cannot run
-        (or the time is up: it takes up to half a minute of CPU for the 7B shape)."""
-        if self.time_left() < 60:
-            print("plan check not run: less than a minute of --time_limit left", flush=True)
-            return None
-        from tools import check_plan  # torch and transformers on fake tensors: only when asked
-        args = check_plan.load_step(step).parse_arguments(["--output_dir", "(plan check)", *map(str, argv)])
+
+class Plans:
+    """The plan checks of the runs (tools/check_plan.py: up to half a minute of CPU each for the 7B
+    shape), made one after the other in a process of their own while the runs go on."""
+
+    def __init__(self, jobs, ranks, deadline):
+        """`jobs`: (row id, step, training arguments); their results come back on a queue."""
+        context = multiprocessing.get_context("spawn")  # not fork: this process has CUDA started
+        self.results, self.found = context.Queue(), {}
+        self.process = context.Process(target=plan_each, args=(jobs, ranks, deadline, self.results), daemon=True)
+        self.process.start()
+
+    def get(self, row_id, wait_s):
+        """The plan of that row's job, waiting at most `wait_s`; None where it did not come."""
+        until = time.monotonic() + max(0, wait_s)
+        while row_id not in self.found:
+            try:
+                self.take(self.results.get(timeout=max(0.01, min(1.0, until - time.monotonic()))))
+            except queue.Empty:
+                if time.monotonic() >= until or not self.process.is_alive():
+                    break
+        return self.found.get(row_id)
+
+    def take(self, result):
+        row_id, plan, why = result
+        self.found[row_id] = plan
+        if why:
+            print(f"plan check for {row_id}: {why}", flush=True)
+
+    def stop(self):
+        """Say what the plans not asked for came to, and end their process."""
+        while True:
+            try:
+                self.take(self.results.get_nowait())
+            except queue.Empty:
+                break
+        self.process.kill()
+
+
+def plan_each(jobs, ranks, deadline, results):
+    """In the plans' process: each job's plan check in turn, while at least a minute is left."""
+    from common.errors import first_line
+    from tools import check_plan  # torch and transformers on fake tensors
+    for row_id, step, argv in jobs:
+        if time.monotonic() > deadline - 60:
+            results.put((row_id, None, "plan check not run: less than a minute of --time_limit left"))
+            continue
         try:
-            return check_plan.plan(args, self.ranks, 1, step)
-        except check_plan.PlanUnavailable as err:
-            print(f"plan check unavailable: {err}", flush=True)
-            return None
+            args = check_plan.load_step(step).parse_arguments(["--output_dir", "(plan check)", *map(str, argv)])
+            results.put((row_id, check_plan.plan(args, ranks, 1, step), None))
+        except Exception as err:  # PlanUnavailable, or the check's own failure: the row runs without a plan
+            results.put((row_id, None, f"plan check unavailable: {first_line(err)}"))
 
 
 def signal_job(pid, signum):
@@ -343,15 +391,17 @@ def write_report(runner, final):
     return "\n".join(lines) + "\n"
 
 
-def most_rows(estimate_memory, model_dir, job, ranks, lora, most=MOST_ROWS):
-    """The most rows per GPU (a power of two, at most `most`) at which the job fits this GPU by the
-    estimate; 0 if not even one row fits."""
-    config, _ = estimate_memory.load_config(str(model_dir))
-    shape = estimate_memory.model_shape(config, str(model_dir))
+def most_rows(estimate_memory, config, job, ranks, step, most=MOST_ROWS):
+    """The most rows per GPU (a power of two, at most `most`) at which `step`'s job (its training
+    arguments `job`, on a model of `config`) fits this GPU by the estimate; 0 if not even one fits."""
+    from launch.steps import load_step
+    from transformers import AutoConfig
+    shape = estimate_memory.model_shape(AutoConfig.for_model(**config), "the check's model")
+    args = load_step(step).parse_arguments(["--output_dir", "unused", *map(str, job)])
     gpu = estimate_memory.gpu_memory_default()
     for rows in (2 ** k for k in range(most.bit_length() - 1, -1, -1)):
-        args = argparse.Namespace(**{**vars(job), "batch_size_per_device": rows, "total_batch_size": rows * ranks})
-        if estimate_memory.fits(estimate_memory.estimate_job(shape, args, ranks, 1, lora=lora)["peak"], gpu):
+        trial = argparse.Namespace(**{**vars(args), "batch_size_per_device": rows, "total_batch_size": rows * ranks})
+        if estimate_memory.fits(estimate_memory.estimate_job(shape, trial, ranks, 1, lora=step == "lora")["peak"], gpu):
             return rows
     return 0
 
@@ -359,7 +409,7 @@ def most_rows(estimate_memory, model_dir, job, ranks, lora, most=MOST_ROWS):
 def parse_arguments():
     parser = Parser(__doc__.split("\n\n")[0])
     parser.add("only", default=",".join(ROWS), help=f"the rows to run, comma-separated ids: {', '.join(ROWS)}")
-    parser.add("steps", type=at_least(2), default=4, help="optimiser steps per 7B-shape run (the first is not counted)")
+    parser.add("steps", type=at_least(2), default=3, help="optimiser steps per 7B-shape run (the first is not counted)")
     parser.add("seq_length", type=at_least(16), default=2048, help="tokens per row of the 7B-shape runs")
     parser.add("batch_size_per_device", type=at_least(1), default=None,
                help=f"rows per GPU of the 7B-shape runs (default: the most that fit, up to {MOST_ROWS})")
@@ -398,62 +448,83 @@ def main():
                 "--batch_size_per_device", 4]
     sharded_demo = demo(4 * ranks) + ["--precision", precision]
 
-    # The steps on the demo model: do they run on this machine's GPUs?
-    if "step2" in wanted:
-        if on_gpu:
-            runner.run("step2", "demo model, 1 GPU, bf16 autocast", "02_singlegpu/train.py", None,
-                       demo(4) + ["--device", "cuda"])
-        else:
-            runner.skip("step 2", "demo model, 1 GPU, bf16 autocast", "no CUDA GPU here")
-    if "step3" in wanted:
-        runner.run("step3", f"demo model, DDP, {ranks} ranks, {backend}", "03_ddp/train.py", ranks, demo(4 * ranks))
-    if "step4" in wanted:
-        runner.run("step4", f"demo model, FSDP FULL_SHARD, {ranks} ranks, {backend}", "04_fsdp/train.py", ranks,
-                   sharded_demo, plan=runner.plan("fsdp", sharded_demo))
-    if "step5" in wanted:
-        runner.run("step5", f"demo model, LoRA, FULL_SHARD, {ranks} ranks, {backend}", "05_lora/train.py", ranks,
-                   sharded_demo)
-    if "preemption" in wanted:
-        preemption(runner, sharded_demo, backend)
-    # The 7B shape with random weights.
+    # The 7B-shape jobs (random weights), decided first, so that their plan checks run beside the demo's rows.
     from tools import estimate_memory
     model_dir = runner.work_dir / "model"
     config = make_model_dir(args, model_dir)
-    if "nf4_sharding" in wanted:
-        nf4_sharding(runner, model_dir, min(2, ranks))
 
     def job(rows, model=model_dir):  # stopped long before step 1000
         return ["--model", model, "--max_seq_length", args.seq_length, "--batch_size_per_device", rows,
                 "--total_batch_size", rows * ranks, "--gradient_checkpointing", "--precision", precision,
                 "--max_steps", 1000, "--eval_every", 0, "--eval_rows", ranks, "--eval_games", ranks]
-    if wanted & {"lora", "qlora"}:
-        from launch.steps import load_step
-        lora_args = load_step("lora").parse_arguments(["--output_dir", "unused", *map(str, job(1))])
-        rows = args.batch_size_per_device or most_rows(estimate_memory, model_dir, lora_args, ranks, lora=True)
-        lora_job = job(max(rows, 1))
-        shape = (f"{config['num_hidden_layers']} layers, hidden {config['hidden_size']}, random weights, "
-                 f"FULL_SHARD x {ranks}, {max(rows, 1)} x {args.seq_length} tokens per GPU, checkpointing")
-    qlora = lora = None
-    if "qlora" in wanted:
-        qlora = runner.run("qlora", shape + ", 4-bit base", "05_lora/train.py", ranks, lora_job + ["--qlora"],
-                           stop_after=args.steps, random_weights=True, plan=runner.plan("lora", lora_job + ["--qlora"]))
-    if "lora" in wanted:
-        lora = runner.run("lora", shape, "05_lora/train.py", ranks, lora_job, stop_after=args.steps,
-                          random_weights=True, plan=runner.plan("lora", lora_job))
-    if qlora and lora:
-        compare_qlora(qlora, lora, config, ranks, on_gpu)
-        write_report(runner, final=False)
-    if "full" in wanted:
-        largest_full_fine_tune(runner, args, config, job, ranks, estimate_memory)
-    for row_id, script in (("offload4", "04_fsdp/train.py"), ("offload5", "05_lora/train.py")):
-        if row_id in wanted:
-            setup = f"demo model, --cpu_offload, {ranks} ranks, nccl + gloo"
+    lora_rows = args.batch_size_per_device or max(1, most_rows(estimate_memory, config, job(1), ranks, "lora"))
+    lora_job = job(lora_rows)
+    shape = (f"{config['num_hidden_layers']} layers, hidden {config['hidden_size']}, random weights, "
+             f"FULL_SHARD x {ranks}, {lora_rows} x {args.seq_length} tokens per GPU, checkpointing")
+    full_layers, full_rows = largest_full_fine_tune(args, config, job, ranks, estimate_memory)
+    full_dir = runner.work_dir / "full_model"
+    full_job = job(full_rows, full_dir)
+    if full_layers:
+        make_model_dir(args, full_dir, full_layers)
+    jobs = [("step4", "fsdp", sharded_demo), ("qlora", "lora", lora_job + ["--qlora"]), ("lora", "lora", lora_job),
+            ("full", "fsdp", full_job)]
+    plans = Plans([(row_id, step, argv) for row_id, step, argv in jobs if row_id in wanted and
+                   (row_id != "full" or full_layers)], ranks, runner.deadline)
+    try:
+        # The steps on the demo model: do they run on this machine's GPUs?
+        if "step2" in wanted:
             if on_gpu:
-                runner.run(row_id, setup, script, ranks, sharded_demo + ["--cpu_offload"])
+                runner.run("step2", "demo model, 1 GPU, bf16 autocast", "02_singlegpu/train.py", None,
+                           demo(4) + ["--device", "cuda"])
             else:
-                runner.skip(ROWS[row_id][0], setup, "no CUDA GPU here (tests/test_fsdp_options.py offloads on the CPU)")
-    if "full_offload" in wanted:
-        full_offload(runner, config, job(1), ranks, estimate_memory, model_dir)
+                runner.skip("step 2", "demo model, 1 GPU, bf16 autocast", "no CUDA GPU here")
+        if "step3" in wanted:
+            runner.run("step3", f"demo model, DDP, {ranks} ranks, {backend}", "03_ddp/train.py", ranks,
+                       demo(4 * ranks))
+        if "step4" in wanted:
+            runner.run("step4", f"demo model, FSDP FULL_SHARD, {ranks} ranks, {backend}", "04_fsdp/train.py", ranks,
+                       sharded_demo, plans=plans)
+        if "step5" in wanted:
+            runner.run("step5", f"demo model, LoRA, FULL_SHARD, {ranks} ranks, {backend}", "05_lora/train.py",
+                       ranks, sharded_demo)
+        if "preemption" in wanted:
+            preemption(runner, sharded_demo, backend)
+        if "nf4_sharding" in wanted:
+            nf4_sharding(runner, model_dir, min(2, ranks))
+
+        # The 7B shape: QLoRA, LoRA, and the largest full fine-tune.
+        qlora = lora = None
+        if "qlora" in wanted:
+            qlora = runner.run("qlora", shape + ", 4-bit base", "05_lora/train.py", ranks, lora_job + ["--qlora"],
+                               stop_after=args.steps, random_weights=True, plans=plans)
+        if "lora" in wanted:
+            lora = runner.run("lora", shape, "05_lora/train.py", ranks, lora_job, stop_after=args.steps,
+                              random_weights=True, plans=plans)
+        if qlora and lora:
+            compare_qlora(qlora, lora, config, ranks, on_gpu)
+            write_report(runner, final=False)
+        if "full" in wanted:
+            setup = (f"{full_layers} of the 7B shape's {config['num_hidden_layers']} layers, random weights, "
+                     f"FULL_SHARD x {ranks}, {full_rows} x {args.seq_length} tokens per GPU, checkpointing, AdamW")
+            if full_layers:
+                runner.run("full", setup, "04_fsdp/train.py", ranks, full_job, stop_after=args.steps,
+                           random_weights=True, plans=plans)
+            else:
+                runner.skip(ROWS["full"][0], setup, "not even one layer of the 7B shape fits")
+
+        # Where the time allows: FSDP's CPU offload.
+        for row_id, script in (("offload4", "04_fsdp/train.py"), ("offload5", "05_lora/train.py")):
+            if row_id in wanted:
+                setup = f"demo model, --cpu_offload, {ranks} ranks, nccl + gloo"
+                if on_gpu:
+                    runner.run(row_id, setup, script, ranks, sharded_demo + ["--cpu_offload"])
+                else:
+                    runner.skip(ROWS[row_id][0], setup,
+                                "no CUDA GPU here (tests/test_fsdp_options.py offloads on the CPU)")
+        if "full_offload" in wanted:
+            full_offload(runner, config, job(1), ranks, estimate_memory, model_dir)
+    finally:
+        plans.stop()
 
     text = write_report(runner, final=True)
     print(f"wrote {runner.work_dir / 'gpu_check.md'} and gpu_check.json\n\n" + text, end="", flush=True)
@@ -517,48 +588,32 @@ def nf4_sharding(runner, model_dir, ranks):
     runner.add(row)
 
 
-def largest_full_fine_tune(runner, args, config, job, ranks, estimate_memory):
-    """The most of the 7B shape's layers that a full fine-tune fits with FULL_ROWS rows per GPU, then
-    the most rows that still fit: its MFU is what full fine-tuning reaches on this GPU."""
-    from launch.steps import load_step
-    full_dir = runner.work_dir / "full_model"
-    layers = config["num_hidden_layers"]
-    rows = args.batch_size_per_device
-    while layers > 0:
-        make_model_dir(args, full_dir, layers)
-        step_args = load_step("fsdp").parse_arguments(["--output_dir", "unused", *map(str, job(1, full_dir))])
-        rows = args.batch_size_per_device or most_rows(estimate_memory, full_dir, step_args, ranks, lora=False)
-        if rows >= min(FULL_ROWS, args.batch_size_per_device or FULL_ROWS):
-            break
-        layers -= 1
-    setup = (f"{layers} of the 7B shape's {config['num_hidden_layers']} layers, random weights, FULL_SHARD x {ranks}, "
-             f"{rows} x {args.seq_length} tokens per GPU, checkpointing, AdamW")
-    if layers == 0:
-        runner.skip(ROWS["full"][0], setup, "not even one layer of the 7B shape fits")
-        return
-    full = job(rows, full_dir)
-    runner.run("full", setup, "04_fsdp/train.py", ranks, full, stop_after=args.steps, random_weights=True,
-               plan=runner.plan("fsdp", full))
+def largest_full_fine_tune(args, config, job, ranks, estimate_memory):
+    """(layers, rows): the most of the 7B shape's layers that a full fine-tune fits with FULL_ROWS
+    rows per GPU (or --batch_size_per_device), then the most rows that still fit; (0, 0) where not
+    even one layer does. Its MFU is what full fine-tuning reaches on this GPU."""
+    least = args.batch_size_per_device or FULL_ROWS
+    for layers in range(config["num_hidden_layers"], 0, -1):
+        rows = most_rows(estimate_memory, {**config, "num_hidden_layers": layers}, job(1), ranks, "fsdp")
+        if rows >= least:
+            return layers, args.batch_size_per_device or rows
+    return 0, 0
 
 
 def full_offload(runner, config, job, ranks, estimate_memory, model_dir):
     """The whole 7B shape, full fine-tuning with the sharded state in host memory, where it does not
-    fit the GPUs otherwise and the host has the memory."""
-    from launch.steps import load_step
+    fit the GPUs otherwise and the host has the memory available."""
     setup = f"{config['num_hidden_layers']} layers, random weights, FULL_SHARD x {ranks}, CPU offload"
-    step_args = load_step("fsdp").parse_arguments(["--output_dir", "unused", *map(str, job)])
-    if most_rows(estimate_memory, model_dir, step_args, ranks, lora=False, most=1):
+    if most_rows(estimate_memory, config, job, ranks, "fsdp", most=1):
         runner.skip(ROWS["full_offload"][0], setup, "fits the GPUs without offload (see full fine-tuning)")
         return
-    shape = estimate_memory.model_shape(estimate_memory.load_config(str(model_dir))[0], str(model_dir))
+    from transformers import AutoConfig
+    shape = estimate_memory.model_shape(AutoConfig.for_model(**config), str(model_dir))
     host = estimate_memory.loading_bytes(shape) * 4 * 1.1  # fp32 weights, gradients and AdamW's two, 10 % to spare
     available = psutil.virtual_memory().available
     if host > available:
         runner.skip(ROWS["full_offload"][0], setup, f"offloaded it needs {host / GiB:.0f} GiB of host memory, "
                     f"{available / GiB:.0f} GiB are available")
-        return
-    if runner.time_left() < ROWS["full_offload"][1]:
-        runner.skip(ROWS["full_offload"][0], setup, f"needs about {ROWS['full_offload'][1]} s: raise --time_limit")
         return
     runner.run("full_offload", setup, "04_fsdp/train.py", ranks, job + ["--cpu_offload"], stop_after=runner.args.steps,
                random_weights=True)

@@ -127,14 +127,18 @@ def test_a_run_killed_at_any_moment_leaves_the_rows_done_so_far(demo, tmp_path):
 
 
 def test_the_time_limit_is_checked_before_every_run_and_plan_check(demo, tmp_path):
-    """A 7B-shape row needs about two minutes: with one left, neither it nor its plan check starts."""
+    """A 7B-shape row needs more than a minute and a half: with one left, neither it nor its plan check starts."""
     process = check(demo, tmp_path, "--only", "lora", "--time_limit", "60")
     output, _ = process.communicate(timeout=120)
     assert process.returncode == 1, output[-3000:]
     (row,) = json.loads((tmp_path / "gpu_check.json").read_text())["rows"]
-    assert row["result"].startswith("not run: it needs about 120 s, ") and "planned_peak_gib" not in row, row
+    assert row["result"].startswith("not run: it needs about 100 s, ") and "planned_peak_gib" not in row, row
     assert not (tmp_path / "lora").exists()
-    assert "plan check not run: less than a minute of --time_limit left" in output
+    # The plans' process asks the clock before each plan check too.
+    import queue
+    results = queue.Queue()
+    gpu_check.plan_each([("lora", "lora", ["--model", "unused"])], 2, time.monotonic() + 59, results)
+    assert results.get_nowait() == ("lora", None, "plan check not run: less than a minute of --time_limit left")
 
 
 def test_offloading_counts_the_memory_the_host_has_available(demo, tmp_path, monkeypatch):

@@ -28,8 +28,11 @@ What counts is the second step:
   * step 2 runs the micro-batches with the step script's own train_step, as the job does (with
     --accumulate_unsharded's switches). Those after the second repeat its memory exactly, so only
     the first, the second and the last run.
-  * AdamW is multi-tensor (foreach) as on a GPU: it holds one temporary copy of exp_avg_sq during
-    the step. With --cpu_offload the step runs on the CPU, one tensor at a time, as there.
+  * AdamW on a GPU is multi-tensor (foreach): during the step it holds a temporary copy of every
+    exp_avg_sq at once. Fake tensors of some PyTorch versions over-count the multi-tensor step
+    (torch 2.11 gave 110 GiB for a full fine-tune that a GPU ran at 69), so the check runs AdamW
+    one tensor at a time, which they count exactly, and puts the multi-tensor step's copy in place
+    of the one tensor's. With --cpu_offload the step runs on the CPU, one tensor at a time, as there.
   * no attention mask: rows are packed, and Hugging Face, given a mask of ones, uses none.
 The peak is rank 0's (it holds the largest shards when a dimension does not divide evenly).
 
@@ -137,6 +140,11 @@ def state_bytes(model, optimizer):
                              for name, value in state.items() if name != "step")}
 
 
+def exp_avg_sq_bytes(optimizer):
+    """What multi-tensor AdamW copies during its step: every exp_avg_sq (torch.optim.adam's foreach sqrt)."""
+    return sum(stored_bytes(state["exp_avg_sq"]) for state in optimizer.state.values() if "exp_avg_sq" in state)
+
+
 def build(args, step, mesh, config, fake_mode, accumulation):
     """The model as the step script prepares it, sharded, with fake storage; and its AdamW.
     As common/sharded_loading.py does on every rank: build and prepare the model on the meta
@@ -173,8 +181,8 @@ def build(args, step, mesh, config, fake_mode, accumulation):
     with fake_mode:
         if not getattr(args, "qlora", False):  # QLoRA's units have their (fake) storage already
             model.to_empty(device="cpu")
-        # Multi-tensor AdamW, as PyTorch picks on a GPU; offloaded, the step runs on the CPU (nothing on the GPU).
-        optimizer = make_optimizer(model, args, foreach=not args.cpu_offload)
+        # One tensor at a time, which fake tensors count exactly (summarise adds the multi-tensor step's copy).
+        optimizer = make_optimizer(model, args, foreach=False)
     return model, optimizer
 
 
@@ -207,6 +215,7 @@ def run_steps(module, model, optimizer, tracker, args, world_size, accumulation,
     def optimizer_step_ends(*_):
         if measured[0]:  # before train_step's zero_grad: the gradients are still there
             state.update(state_bytes(model, optimizer))
+            copied[0] = exp_avg_sq_bytes(optimizer)
 
     def micro_batch():
         # Packed rows have no padding: given a mask of ones, Hugging Face runs causal attention with
@@ -215,7 +224,7 @@ def run_steps(module, model, optimizer, tracker, args, world_size, accumulation,
         ids = torch.randint(0, vocab_size, (rows, length))
         return {"input_ids": ids, "labels": ids.clone(), "attention_mask": None}
 
-    state = {}
+    state, copied = {}, [0]
     hooks = [model.register_forward_pre_hook(forward_starts, prepend=True),  # before FSDP's own
              model.register_forward_hook(forward_ends),
              optimizer.register_step_pre_hook(optimizer_step_starts),
@@ -231,7 +240,7 @@ def run_steps(module, model, optimizer, tracker, args, world_size, accumulation,
     tracker.phase = None
     for hook in hooks:
         hook.remove()
-    return state
+    return state, copied[0]
 
 
 def plan(args, gpus_per_node, nodes=1, step="fsdp", gpu_memory_gib=None):
@@ -262,8 +271,8 @@ def plan(args, gpus_per_node, nodes=1, step="fsdp", gpu_memory_gib=None):
             tracker = PhaseTracker(model, optimizer, OFFLOADED if args.cpu_offload else ())
             try:
                 with tracker:
-                    state = run_steps(load_step(step), model, optimizer, tracker, args, world_size, accumulation,
-                                      config.vocab_size)
+                    state, multi_tensor_copy = run_steps(load_step(step), model, optimizer, tracker, args,
+                                                         world_size, accumulation, config.vocab_size)
             except Exception as err:  # an operation fake tensors cannot run: unchecked, not refused
                 raise PlanUnavailable(f"the model's code failed on fake tensors ({type(err).__name__}: "
                                       f"{first_line(err)})") from None
@@ -274,7 +283,7 @@ def plan(args, gpus_per_node, nodes=1, step="fsdp", gpu_memory_gib=None):
     finally:
         gc.collect()  # FSDP modules sit in reference cycles: free them while the group exists
         dist.destroy_process_group()
-    result = summarise(phase_peaks, state, offloaded=args.cpu_offload)
+    result = summarise(phase_peaks, state, offloaded=args.cpu_offload, multi_tensor_copy=multi_tensor_copy)
     result.update(
         model=source, parameters=parameters, trainable_parameters=trainable, step=step, ranks=world_size,
         gpus_per_node=gpus_per_node, nodes=nodes, sharding_strategy=args.sharding_strategy,
@@ -346,16 +355,21 @@ def verdict_line(result):
             f"{result['gpu_memory_gib']:g} GiB; {advice}")
 
 
-def summarise(phase_peaks, state, offloaded):
-    """The peak over step 2's phases, what made it up, and each phase's peak and its parts."""
-    def parts(snapshot):
-        on_gpu = {name: snapshot.get(key, 0) for key, name in CATEGORIES.items()
-                  if not (offloaded and key in OFFLOADED)}
+def summarise(phase_peaks, state, offloaded, multi_tensor_copy=0):
+    """The peak over step 2's phases, what made it up, and each phase's peak and its parts. On the
+    GPU the optimizer step is multi-tensor: its temporaries are `multi_tensor_copy` (every
+    exp_avg_sq), in place of the one-tensor-at-a-time step's that the fake run measured."""
+    def parts(phase, gpu, snapshot):
+        on_gpu = {"total": gpu, **{name: snapshot.get(key, 0) for key, name in CATEGORIES.items()
+                                   if not (offloaded and key in OFFLOADED)}}
         if not offloaded:  # during the step AdamW's temporaries are filed with its state: part them
             on_gpu["optimizer_temporaries"] = max(0, on_gpu["optimizer_state"] - state["optimizer"])
             on_gpu["optimizer_state"] -= on_gpu["optimizer_temporaries"]
+            if phase.endswith("optimizer step"):
+                on_gpu["total"] += multi_tensor_copy - on_gpu["optimizer_temporaries"]
+                on_gpu["optimizer_temporaries"] = multi_tensor_copy
         return on_gpu
-    phases = {phase: {"total": gpu, **parts(snapshot)} for phase, (gpu, snapshot) in phase_peaks.items()}
+    phases = {phase: parts(phase, gpu, snapshot) for phase, (gpu, snapshot) in phase_peaks.items()}
     peak_at = max(phases, key=lambda phase: phases[phase]["total"])
     return {"peak": phases[peak_at]["total"], "peak_at": peak_at,
             "at_peak": {name: value for name, value in phases[peak_at].items() if name != "total"},
