@@ -91,7 +91,7 @@ def flops_per_token(model, seq_len):
     config = model.config
     flops = 12 * config.num_hidden_layers * config.hidden_size * seq_len
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear):  # also bitsandbytes' Linear4bit and peft's adapters
+        if isinstance(module, torch.nn.Linear):  # also QLoRA's 4-bit layers and peft's adapters
             flops += (6 if module.weight.requires_grad else 4) * module.in_features * module.out_features
     return flops
 

@@ -6,9 +6,9 @@
 #   MODEL=codellama/CodeLlama-7b-hf DATA_DIR=/scratch/$USER/chess/data sbatch slurm/lora.sh --qlora   # 4-bit base
 #   TOTAL_BATCH_SIZE=32 BATCH_SIZE_PER_DEVICE=2 sbatch --gpus-per-node=2 slurm/lora.sh --lora_rank 8
 #
-# Arguments after the script name go to 05_lora/train.py (--help lists them; --qlora needs
-# bitsandbytes). Before training, the plan check (tools/check_plan.py --step lora) stops a job that
-# cannot fit in GPU memory: FORCE=1 skips it; it cannot build QLoRA's 4-bit model, says so and goes on.
+# Arguments after the script name go to 05_lora/train.py (--help lists them). Before training, the
+# plan check (tools/check_plan.py --step lora) stops a job that cannot fit in GPU memory, QLoRA's
+# 4-bit model too: FORCE=1 skips it.
 #
 # ---- site setup: edit this block for your cluster ------------------------------------------
 #SBATCH --job-name=lora

@@ -65,16 +65,17 @@ def test_lora_frozen_weights_count_4_flops_not_6():
 
 
 def test_a_4_bit_weight_counts_its_full_shape():
-    """bitsandbytes' Linear4bit keeps in_features and out_features and stores its weight packed,
-    2 values a byte in bf16 elements: a quarter of the numel. The same layer, its weight packed
-    like that, costs the same FLOPs. (bitsandbytes itself is for the GPU nodes, environment.yml.)"""
+    """QLoRA's NF4 weights (common/nf4.py) are stored packed, 2 values a byte, with their scales; a
+    layer counts by its in and out features, so the same model in 4 bits costs the same FLOPs."""
+    from common.nf4 import is_nf4, quantize_frozen_linears
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(LlamaConfig(**SMALL_LLAMA))
+    for param in model.parameters():
+        param.requires_grad_(False)
     unpacked = flops_per_token(model, 64)
     for layer in model.model.layers:
-        for linear in (layer.self_attn.q_proj, layer.mlp.down_proj):
-            linear.weight = torch.nn.Parameter(torch.empty(linear.weight.numel() // 4, 1, dtype=torch.bfloat16),
-                                               requires_grad=linear.weight.requires_grad)
+        quantize_frozen_linears(layer)
+    assert any(is_nf4(param) for param in model.parameters())
     assert flops_per_token(model, 64) == unpacked
 
 

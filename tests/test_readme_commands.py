@@ -56,7 +56,7 @@ SKIPPED = {
     r"^python tools/export\.py runs/fsdp/": "needs the checkpoint of the 100-step run above (tests/test_export.py "
                                               "exports one)",
     r"^python benchmark/run\.py( --quick)?$": "the benchmark: 35 minutes (--quick: minutes, tests/test_benchmark.py)",
-    r"^python benchmark/gpu_check\.py$": "the GPU check on the full 7B shape: a GPU node, up to 30 minutes "
+    r"^python benchmark/gpu_check\.py$": "the GPU check on the full 7B shape: a GPU node, 8 minutes "
                                          "(tests/test_gpu_check.py runs a shrunk shape)",
     r"^python benchmark/learn_chess\.py$": "the learning run: 15 minutes (tests/test_learn_chess.py runs --quick)",
     r"^python play\.py --model runs/learn_chess/": "plays the learning run's model (tests/test_play.py plays the demo "
