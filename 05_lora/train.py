@@ -11,7 +11,6 @@ adapters only (peft's format), to be loaded over --model.
 """
 import gc
 import os
-import time
 from contextlib import nullcontext
 
 import torch
@@ -23,27 +22,23 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from tqdm import tqdm
 
+from common import checkpoint
 from common.arguments import check_arguments, training_arguments
 from common.batch import describe, gradient_accumulation_steps
-from common.checkpoint import (TRAIN_STATE, load_file, load_newest, load_sharded, mark_complete, restore_rng,
-                               sharded_save, stop_if_not_finite, train_state, written_whole)
-from common.chess_eval import StopEvaluation, game_prefixes, legal_move_sums, share_of_rank, validation_loss_sums
-from common.data import GlobalBatchSampler, count_loss_tokens, loss_sum, make_loader
+from common.chess_eval import Evaluation
+from common.data import count_loss_tokens, loss_sum, training_data
 from common.device import pick_device
 from common.errors import UserError, exit_on_user_error
 from common.hang import Watchdog
-from common.metrics import (MetricsLog, StepTimer, flops_per_token, model_flops_utilization, peak_memory,
-                            print_summary, run_params, write_summary)
-from common.model import enable_gradient_checkpointing, load_config, load_tokenizer
+from common.metrics import MetricsLog
+from common.model import enable_gradient_checkpointing, load_model_files
 from common.nf4 import kept_whole
-from common.notation import training_notation
 from common.optim import make_optimizer, make_scheduler
 from common.output_dir import OutputDir, run_settings
 from common.profiling import StepProfiler
-from common.prepare_data import prepared_rows, read_games
 from common.process_group import init_process_group
 from common.sharded_loading import load_quantized_sharded_model, load_sharded_model
-from common.signals import StopFlag, die_with_launcher
+from common.signals import StopFlag
 
 # The sharding strategies users know from FSDP1 (and DeepSpeed), expressed in FSDP2:
 #   FULL_SHARD    (ZeRO-3) shard over all ranks; free each layer's gathered weights after its
@@ -174,7 +169,6 @@ def train_step(model, optimizer, micro_batches, args, device, autocast):
 
 
 def main():
-    die_with_launcher()  # no orphaned ranks if torchrun is killed
     args = parse_arguments()
     check_arguments(args)
     # torchrun starts one process per GPU and tells each who it is.
@@ -184,16 +178,15 @@ def main():
     device = pick_device(args.device, local_rank)
     init_process_group(device, args.collective_timeout, cpu_tensors=args.cpu_offload)
     is_main = rank == 0  # only rank 0 logs and saves
-    output = OutputDir(args, is_main)  # one run at a time per output directory
+    output = OutputDir(args, is_main)  # one run at a time per output directory, which every node must see
     output_dir = output.run_dir  # what goes where: common/run_dir.py
+    watchdog = Watchdog(output_dir.hang, args.collective_timeout, "loading")  # a hang ends the job, and says where
     torch.manual_seed(args.seed)
 
     # Model: fp32 weights, sharded. FSDP itself runs the layers in bf16 and reduces the gradients
     # in fp32 (MixedPrecisionPolicy); the sharded weights and AdamW's state stay fp32. Never cast
     # the model to bf16 before sharding: AdamW would then keep bf16 state.
-    config = load_config(args.model, args.trust_remote_code, max_seq_length=args.max_seq_length)
-    tokenizer = load_tokenizer(args.model, config, args.trust_remote_code)
-    notation = training_notation(args, config)  # how the games are written: common/notation.py
+    config, tokenizer, notation = load_model_files(args)  # and how the games are written: common/notation.py
     precision = args.precision or ("bf16" if device.type == "cuda" or args.qlora else "fp32")
     mesh = build_mesh(args.sharding_strategy, device.type, world_size,
                       args.shard_group_size or int(os.environ["LOCAL_WORLD_SIZE"]))
@@ -213,7 +206,6 @@ def main():
     else:
         model = load_sharded_model(args.model, config, rank, device, shard, prepare=prepare_model,
                                    cpu_offload=args.cpu_offload, trust_remote_code=args.trust_remote_code)
-    model_flops = flops_per_token(model, args.max_seq_length)  # for MFU
     autocast = nullcontext()  # FSDP casts the weights; no autocast on top
     if args.accumulate_unsharded and accumulation > 1:  # gather each layer once per optimiser step,
         model.set_reshard_after_forward(False)  # keep it until the last micro-batch's backward
@@ -221,19 +213,11 @@ def main():
     optimizer = make_optimizer(model, args)  # after sharding; the trainable parameters: the adapters
     scheduler = make_scheduler(optimizer, args)
 
-    # Data: tokenized once per data set, memory-mapped here; every optimiser step gets one global batch.
-    pack = not args.no_packing
-    train_rows = prepared_rows(args.data_dir, "train", tokenizer, args.max_seq_length, pack, args.prepared_dir,
-                               notation=notation)
-    validation_rows = prepared_rows(args.data_dir, "validation", tokenizer, args.max_seq_length, pack,
-                                    args.prepared_dir, notation=notation)
-    eval_rows = [validation_rows[i] for i in range(min(args.eval_rows, len(validation_rows)))]
-    prefixes = game_prefixes(read_games(args.data_dir, "validation", args.eval_games), args.eval_games, args.seed)
-    # Each rank evaluates its share (the same count on every rank), then the sums are added up.
-    eval_rows = share_of_rank(eval_rows, rank, world_size, "rows")
-    prefixes = share_of_rank(prefixes, rank, world_size, "game prefixes")
-    sampler = GlobalBatchSampler(train_rows, args.total_batch_size, args.batch_size_per_device,
-                                 rank=rank, world_size=world_size, seed=args.seed, max_steps=args.max_steps)
+    # Data: every optimiser step gets one global batch, of which each rank takes its share. Each rank
+    # evaluates its share (the same count on every rank), then the sums are added up.
+    with watchdog.unwatched("preparing the data"):  # hours for a big data set, and no collective in it
+        train_rows, sampler = training_data(args, tokenizer, notation, rank, world_size)
+        evaluation = Evaluation(args, tokenizer, notation, rank, world_size)
 
     # Every input is checked; only now does the run write (and --overwrite delete the old run).
     note = output.start(run_settings(args, "sharded LoRA adapters", config, train_rows, precision=precision,
@@ -252,10 +236,11 @@ def main():
         path = output_dir.checkpoint(step)
         model_state, optimizer_state = get_state_dict(model, optimizer, options=state_options)
         state = {"model": model_state, "optimizer": optimizer_state}
-        with sharded_save(path, state, is_main):  # refused at once if the disk is too full; fails on all ranks at once
+        with checkpoint.sharded_save(path, state, is_main):  # refused at once if the disk is too full; all ranks fail
             dcp.save(state, checkpoint_id=path)
             if is_main:  # dcp.save has returned on every rank: all shards are on disk
-                torch.save(train_state(step, scheduler, {"untrained": untrained}), path / TRAIN_STATE)
+                train = checkpoint.train_state(step, scheduler, {"untrained": untrained})
+                torch.save(train, path / checkpoint.TRAIN_STATE)
                 model.config.save_pretrained(path)
                 tokenizer.save_pretrained(path)
                 model.peft_config["default"].save_pretrained(path)
@@ -264,86 +249,73 @@ def main():
         nonlocal start_step, untrained
         model_state, optimizer_state = get_state_dict(model, optimizer, options=state_options)
         state = {"model": model_state, "optimizer": optimizer_state}
-        load_sharded(state, path)  # each rank reads what its shards need
+        checkpoint.load_sharded(state, path)  # each rank reads what its shards need
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                        options=state_options)
-        train = load_file(path / TRAIN_STATE)
+        train = checkpoint.load_file(path / checkpoint.TRAIN_STATE)
         scheduler.load_state_dict(train["scheduler"])
-        restore_rng(train)
+        checkpoint.restore_rng(train)
         start_step, untrained = train["step"], train["untrained"]
 
     start_step, untrained = 0, None
-    if output.resume and (resumed_from := load_newest(output_dir, load_checkpoint)) and is_main:
+    if output.resume and (resumed_from := checkpoint.load_newest(output_dir, load_checkpoint)) and is_main:
         tqdm.write(f"resuming from {resumed_from}" + (f"\n{note}" if note else ""))
     # From here on SIGTERM (preemption, time limit), Slurm's USR2 warning and Ctrl-C make the run save
     # a checkpoint at the end of the step and stop (common/signals.py); the loader's workers leave it to the rank.
     stop = StopFlag(device)
-    batches = iter(make_loader(train_rows, sampler.starting_at(start_step), tokenizer.pad_token_id, device,
-                               args.data_workers))
+    batches = sampler.batches(train_rows, start_step, tokenizer.pad_token_id, device, args.data_workers)
 
     def evaluate(stop_requested=None):
-        """Validation loss and legal-move rate."""
+        """Validation loss and legal-move rate; None if every rank was asked to stop meanwhile."""
         model.eval()
         with autocast:
-            sums = torch.stack([
-                *validation_loss_sums(model, eval_rows, args.batch_size_per_device, tokenizer.pad_token_id, device,
-                                      stop_requested),
-                *legal_move_sums(model, tokenizer, notation, prefixes, args.batch_size_per_device, args.max_seq_length,
-                                 device, stop_requested)])
-        dist.all_reduce(sums)
+            sums = evaluation.sums(model, device, stop_requested)
         model.train()
-        loss, tokens, legal, tried = sums.tolist()
-        return {"eval_loss": loss / tokens, "legal_move_rate": legal / tried}
+        if sums is None:
+            return None
+        dist.all_reduce(sums)
+        return evaluation.figures(sums)
 
     if untrained is None:
+        watchdog.phase("untrained evaluation")
         untrained = evaluate()
         if is_main:
             tqdm.write(f"untrained model: {untrained}")
-    metrics = MetricsLog(output_dir, enabled=is_main, report_to=args.report_to,
-                         params=run_params(args, world_size, device), resumed_at=start_step)
-    watchdog = Watchdog(output_dir.hang, args.collective_timeout)  # a hang ends the job, and says where
+    metrics = MetricsLog(output_dir, is_main, args, model, world_size, accumulation, device, resumed_at=start_step)
     profiler = StepProfiler(args.profile_steps, output_dir.profile, start_step, device)
     progress = tqdm(range(start_step, args.max_steps), desc="train", initial=start_step, total=args.max_steps,
                     mininterval=1.0, disable=not is_main)
     for step in progress:
         watchdog.phase("training", step + 1)
-        timer = StepTimer(device)
-        waiting = time.perf_counter()
-        micro_batches = [{k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
-                         for _ in range(accumulation)]
-        timer.data_ready(waiting)
+        timer = metrics.timer()
+        with timer.waiting_for_data():
+            micro_batches = [{k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+                             for _ in range(accumulation)]
         step_tokens, step_loss, grad_norm = train_step(model, optimizer, micro_batches, args, device, autocast)
         scheduler.step()
 
-        elapsed, data_wait = timer.finish()
-        tokens, loss_total, grad_norm = torch.stack([step_tokens, step_loss, grad_norm]).tolist()  # one sync
-        stop_if_not_finite(loss_total, step + 1, output_dir)  # the same verdict on every rank
-        record = {"step": step + 1, "loss": loss_total / tokens, "lr": scheduler.get_last_lr()[0],
-                  "grad_norm": grad_norm, "tokens": int(tokens), "tokens_per_s": tokens / elapsed,
-                  "tokens_per_s_per_device": tokens / elapsed / world_size, "step_time_s": elapsed,
-                  "data_wait_s": data_wait, "world_size": world_size, "gradient_accumulation_steps": accumulation,
-                  "batch_size_per_device": args.batch_size_per_device, **peak_memory(device),
-                  **model_flops_utilization(tokens / elapsed / world_size, model_flops, device)}
-        stopping = stop.requested()
+        # The step's one wait for the GPU: its figures, and whether any rank was asked to stop.
+        tokens, loss_total, grad_norm, stopping = torch.stack([step_tokens, step_loss, grad_norm,
+                                                               stop.any_rank()]).tolist()
+        checkpoint.stop_if_not_finite(loss_total, step + 1, output_dir)  # the same verdict on every rank
+        record = metrics.step_record(step + 1, tokens, loss_total, grad_norm, scheduler.get_last_lr()[0], timer)
         if not stopping and ((args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.max_steps):
             watchdog.phase("evaluation", step + 1)
-            try:
-                record.update(evaluate(stop.requested))
+            figures = evaluate(stop.requested)
+            stopping = figures is None
+            if figures:
+                record.update(figures)
                 if is_main:
                     tqdm.write(f"step {step + 1}: eval_loss={record['eval_loss']:.4f} "
                                f"legal_move_rate={record['legal_move_rate']:.3f}")
-            except StopEvaluation:
-                stopping = True
         save_now = (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.max_steps or stopping
         if save_now:
             watchdog.phase("checkpoint", step + 1)
-            saving = time.perf_counter()
-            save_checkpoint(step + 1)
-            record["checkpoint_save_s"] = time.perf_counter() - saving
+            record["checkpoint_save_s"] = timer.seconds(save_checkpoint, step + 1)
         metrics.write(record)
         profiler.step()
         if save_now and is_main:  # only now, with its step on record, does the checkpoint count
-            mark_complete(output_dir, step + 1, args.keep_checkpoints)
+            checkpoint.mark_complete(output_dir, step + 1, args.keep_checkpoints)
         progress.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
         if stopping:
             metrics.close()
@@ -355,21 +327,19 @@ def main():
             gc.collect()
             dist.destroy_process_group()
             return
-    metrics.close()
-    watchdog.phase("final model", args.max_steps)
+    watchdog.phase("final model")
 
     # The final adapters in peft's format (load them over --model with PeftModel.from_pretrained).
     # Each rank holds only shards: gather them on rank 0 (the other ranks get an empty dict).
     full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
                                                                       ignore_frozen_params=True))
     peaks = [None] * world_size
-    dist.all_gather_object(peaks, peak_memory(device))
+    dist.all_gather_object(peaks, metrics.peak_memory())
     if is_main:
-        with written_whole(output_dir.final) as final:  # beside final/, then moved in: never half-written
+        with checkpoint.written_whole(output_dir.final) as final:  # beside final/, then moved in: never half-written
             model.save_pretrained(final, state_dict=full_state, safe_serialization=True)
             tokenizer.save_pretrained(final)
-        summary = write_summary(output_dir, "05_lora", metrics.records, untrained, peaks)
-        print_summary("05_lora", summary)
+    metrics.finish("05_lora", untrained, peaks)
     # Free the sharded model while the process group is alive: freed the other way round, at exit,
     # a gloo group can deadlock or abort in its destructor (pytorch/pytorch#56297). FSDP modules
     # sit in reference cycles, so dropping the name is not enough: the garbage collector frees them.

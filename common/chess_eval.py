@@ -1,10 +1,11 @@
 """Does the model play legal chess? Validation loss, and the legal-move rate of greedy moves.
 
-Both functions work on the rows/prefixes they are given and return *sums* (tensors), so a
-distributed step can give each rank its share and add the sums up with one all_reduce.
-Every rank must make the same number of forward calls (FSDP gathers weights in each one),
-which is why nothing here stops early, except when every rank agrees to stop: `stop()` is asked
-(a collective) before each batch, and a stop request ends the evaluation with StopEvaluation.
+Both work on the rows/prefixes they are given and return *sums* (tensors), so a distributed step
+can give each rank its share and add the sums up with one all_reduce (`Evaluation`: what the
+training steps run). Every rank must make the same number of forward calls (FSDP gathers weights
+in each one), which is why nothing here stops early, except when every rank agrees to stop:
+`stop()` is asked (a collective) between batches of moves, and a stop request ends the
+evaluation.
 
 A fair test shows positions the model was not trained on: `held_out_split` keeps every game that
 opens like a held-out one out of training, and `TrigramBaseline` says what move statistics alone
@@ -19,6 +20,7 @@ import torch
 from common.data import collate, count_loss_tokens, loss_sum
 from common.errors import UserError
 from common.notation import board_after, game_text, legal_in, longest_move_text
+from common.prepare_data import prepared_rows, read_games
 
 
 class StopEvaluation(Exception):
@@ -30,12 +32,46 @@ def check_stop(stop):
         raise StopEvaluation
 
 
+class Evaluation:
+    """The run's evaluation: the validation loss over --eval_rows rows and the legal-move rate over
+    --eval_games game prefixes, this rank's share of each (the same count on every rank: every rank
+    makes the same forward calls, which FSDP needs)."""
+
+    def __init__(self, args, tokenizer, notation, rank=0, world_size=1):
+        validation = prepared_rows(args.data_dir, "validation", tokenizer, args.max_seq_length, not args.no_packing,
+                                   args.prepared_dir, notation=notation)
+        rows = [validation[i] for i in range(min(args.eval_rows, len(validation)))]
+        prefixes = game_prefixes(read_games(args.data_dir, "validation", args.eval_games), args.eval_games, args.seed)
+        self.rows = share_of_rank(rows, rank, world_size, "rows")
+        self.prefixes = share_of_rank(prefixes, rank, world_size, "game prefixes")
+        self.tokenizer, self.notation = tokenizer, notation
+        self.batch_size, self.max_seq_length = args.batch_size_per_device, args.max_seq_length
+
+    def sums(self, model, device, stop=None):
+        """(loss, tokens, legal moves, prefixes tried) of this rank's share, one tensor on the device
+        to add up over the ranks; None if every rank was asked to stop meanwhile (`stop()`, a
+        collective, is asked between the batches of moves, which wait for the GPU anyway)."""
+        try:
+            check_stop(stop)
+            loss = validation_loss_sums(model, self.rows, self.batch_size, self.tokenizer.pad_token_id, device)
+            legal = legal_move_sums(model, self.tokenizer, self.notation, self.prefixes, self.batch_size,
+                                    self.max_seq_length, device, stop)
+        except StopEvaluation:
+            return None
+        return torch.stack([*loss, *legal])
+
+    @staticmethod
+    def figures(sums):
+        """The evaluation's figures from the sums of every rank: its one read from the GPU."""
+        loss, tokens, legal, tried = sums.tolist()
+        return {"eval_loss": loss / tokens, "legal_move_rate": legal / tried}
+
+
 @torch.no_grad()
-def validation_loss_sums(model, rows, batch_size, pad_id, device, stop=None):
-    """(summed token loss, token count) over `rows`."""
+def validation_loss_sums(model, rows, batch_size, pad_id, device):
+    """(summed token loss, token count) over `rows`, on the device: nothing is read from it here."""
     total, tokens = torch.zeros((), device=device), torch.zeros((), device=device)
     for first in range(0, len(rows), batch_size):
-        check_stop(stop)
         batch = {k: v.to(device) for k, v in collate(rows[first: first + batch_size], pad_id).items()}
         total += loss_sum(model, batch)
         tokens += count_loss_tokens(batch)

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from common.errors import UserError
+from common.prepare_data import prepared_rows
 from common.signals import leave_stopping_to_the_rank
 
 IGNORE_INDEX = -100  # labels with this value add nothing to the loss (padding)
@@ -89,6 +90,10 @@ class GlobalBatchSampler:
         self.start_step = step
         return self
 
+    def batches(self, rows, start_step, pad_id, device, workers=None):
+        """This rank's micro-batches, padded, from optimiser step `start_step` on (make_loader)."""
+        return iter(make_loader(rows, self.starting_at(start_step), pad_id, device, workers))
+
     def global_batch(self, step):
         epoch, position = divmod(step, self.steps_per_epoch)
         first = position * self.global_batch_size
@@ -120,6 +125,16 @@ def split_by_length(rows, lengths, parts, micro):
         shares[part].append([rows[i] for i in chunk])
         padded[part] += len(chunk) * lengths[chunk[0]]
     return shares
+
+
+def training_data(args, tokenizer, notation, rank=0, world_size=1):
+    """(the training rows, the sampler of this rank's micro-batches): the games of --data_dir,
+    tokenized once per data set and memory-mapped here (common/prepare_data.py), and every optimiser
+    step one global batch of them."""
+    rows = prepared_rows(args.data_dir, "train", tokenizer, args.max_seq_length, not args.no_packing,
+                         args.prepared_dir, notation=notation)
+    return rows, GlobalBatchSampler(rows, args.total_batch_size, args.batch_size_per_device, rank=rank,
+                                    world_size=world_size, seed=args.seed, max_steps=args.max_steps)
 
 
 def collate(rows, pad_id):

@@ -1,20 +1,28 @@
-"""A hang ends, and says where: a watchdog thread on every rank.
+"""A hang ends, and says where: a watchdog thread on every rank, for the whole run.
 
-The training loop tells the watchdog which phase it enters (training, evaluation or checkpoint of
-step N). A phase that lasts longer than --collective_timeout seconds is a hang: a rank stopped
-(SIGSTOP, a dead node), stuck in I/O, or one rank skipping a collective the others wait in. Then
-every rank that can still run
-  * writes the Python stacks of all its threads to OUTPUT_DIR/hang/stacks-rankN.txt,
-  * records in the job's rendezvous store where it was (waiting in a collective, or busy elsewhere),
-and the lowest such rank prints one line that names the step, the phase and what each rank was
-doing; a rank with no record did not answer (stopped, or gone). The ranks exit with status 3, and
-the launcher (launch/torchrun.py) leaves torchrun's own report out. Checkpoints are untouched: a
-checkpoint counts only once its marker is written, which a hung save never reaches.
+The run tells the watchdog which phase it enters: loading, the untrained evaluation, then training,
+evaluation or checkpoint of step N, and the final model. A phase that lasts longer than
+--collective_timeout seconds is a hang: a rank stopped (SIGSTOP, a dead node), stuck in I/O, or one
+rank skipping a collective the others wait in. Then every rank that can still run
+  * writes the Python stacks of all its threads to OUTPUT_DIR/hang/stacks-rankN.txt, and its Flight
+    Recorder dump (the collectives it issued) to OUTPUT_DIR/hang/flight_recorder_rankN,
+  * records in the job's rendezvous store where it was (waiting in a collective, or busy elsewhere)
+    and how many collectives it had issued in each process group, and the last one,
+and the lowest such rank prints one line that names the phase, the rank that is behind and what
+each rank was doing; a rank with no record did not answer (stopped, or gone), and is killed if it
+is on the node. The ranks exit with status 3, and the launcher (launch/torchrun.py) leaves
+torchrun's own report out. Checkpoints are
+untouched: a checkpoint counts only once its marker is written, which a hung save never reaches.
+
+On a GPU, collectives are asynchronous: every rank queues them and then blocks where it next needs
+a result (the step's one read of its figures), so every rank's stack looks the same. What tells the
+rank that is behind is what each one issued: PyTorch's Flight Recorder counts every collective a
+rank issues, on the host as it is issued (common/process_group.py turns it on, on NCCL and gloo).
 
 The process group's own timeout is set longer (common/process_group.py), so that this watchdog, and
-not the backend's error or NCCL's abort, reports the hang. On NCCL with TORCH_FR_BUFFER_SIZE set,
-each rank also writes its Flight Recorder dump there: what its last collectives were.
+not the backend's error or NCCL's abort, reports the hang.
 """
+import contextlib
 import faulthandler
 import json
 import os
@@ -22,8 +30,10 @@ import sys
 import threading
 import time
 import traceback
+from datetime import timedelta
 from pathlib import Path
 
+import psutil
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
@@ -35,23 +45,36 @@ WAITING_IN = ("torch/distributed/", "torch\\distributed\\")
 
 
 class Watchdog:
-    def __init__(self, folder, timeout_s):
-        """`folder`: where the stacks go (OUTPUT_DIR/hang); `timeout_s`: --collective_timeout."""
+    def __init__(self, folder, timeout_s, phase):
+        """`folder`: where the stacks go (OUTPUT_DIR/hang); `timeout_s`: --collective_timeout; `phase`:
+        what the run is doing now (it starts watching at once)."""
         self.folder, self.timeout_s = Path(folder), timeout_s
         self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        self.where, self.since = None, time.monotonic()
+        self.where, self.since = phase, time.monotonic()
         self.main_thread = threading.main_thread()
         self.store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
         self.changed = threading.Event()
+        self.changed.set()
         threading.Thread(target=self.watch, name="hang watchdog", daemon=True).start()
 
-    def phase(self, name, step):
-        """Called as the loop enters a phase: `name` of optimiser step `step`."""
-        self.where, self.since = f"{name} of step {step}", time.monotonic()
+    def phase(self, name, step=None):
+        """Called as the run enters a phase: `name`, of optimiser step `step` if given."""
+        self.where, self.since = name if step is None else f"{name} of step {step}", time.monotonic()
         self.changed.set()
 
+    @contextlib.contextmanager
+    def unwatched(self, name):
+        """A phase with no time limit, which holds no collective to hang in: preparing the data can
+        take hours, while the other ranks wait on a file lock that a preparer who dies lets go of."""
+        where, self.where = self.where, None
+        try:
+            yield
+        finally:
+            self.where, self.since = where, time.monotonic()
+            self.changed.set()
+
     def done(self):
-        """The loop has ended: nothing more to watch."""
+        """The run has ended: nothing more to watch."""
         self.where = None
         self.changed.set()
 
@@ -75,13 +98,29 @@ class Watchdog:
         with open(stacks, "w") as file:
             file.write(f"rank {self.rank}: {where}, {doing}, after {self.timeout_s} s\n\n")
             faulthandler.dump_traceback(file, all_threads=True)
-        write_flight_recorder(self.folder / f"nccl_trace_rank_{self.rank}")
-        records = self.exchange({"where": where, "doing": doing})
+        write_flight_recorder(self.folder / f"flight_recorder_rank{self.rank}")
+        records = self.exchange({"where": where, "doing": doing, "issued": issued_collectives()})
         if self.rank == min(records):
             tqdm.write(f"error: {describe(records, self.world_size, self.timeout_s)}; every rank's stacks are in "
                        f"{self.folder}/: raise --collective_timeout if this wait was legitimate", file=sys.stderr)
             sys.stderr.flush()
+            self.store_set("hang/said", "1")
+        else:  # the rank that speaks first: a rank that ends ends the others' collectives, with tracebacks
+            self.store_wait("hang/said")
+        end_silent_neighbours(records)
         os._exit(HANG_EXIT)
+
+    def store_set(self, key, value):
+        try:
+            self.store.set(key, value)
+        except Exception:  # no store (one process), or it is gone: nobody waits for the line
+            pass
+
+    def store_wait(self, key):
+        try:
+            self.store.wait([key], timedelta(seconds=RECORD_WAIT_S))
+        except Exception:  # gone, or the lowest rank could not say it: end anyway
+            pass
 
     def exchange(self, mine):
         """Each reporting rank's record, by rank, from the rendezvous store (only this rank's without one)."""
@@ -99,17 +138,49 @@ class Watchdog:
             return {self.rank: mine}
 
 
+def end_silent_neighbours(records):
+    """Kill the ranks on this node that did not answer (stopped, or stuck where Python cannot run):
+    torchrun would give them its 30 s to shut down, which a stopped process never uses."""
+    try:
+        neighbours = psutil.Process(os.getppid()).children()  # this node's ranks, started by its torchrun
+        for process in neighbours:
+            rank = process.environ().get("RANK")
+            if rank is not None and rank.isdigit() and int(rank) not in records:
+                process.kill()
+    except psutil.Error:  # gone already, or not ours to see: torchrun ends them in its own time
+        pass
+
+
+def flight_recorder_on():
+    return int(os.environ.get("TORCH_FR_BUFFER_SIZE") or os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE") or 0) > 0
+
+
 def write_flight_recorder(path):
-    """NCCL's Flight Recorder (TORCH_FR_BUFFER_SIZE > 0): this rank's last collectives, for
-    `python -m torch.distributed.flight_recorder.fr_trace`. Only CUDA builds of PyTorch have it."""
-    dump = getattr(torch._C._distributed_c10d, "_dump_nccl_trace", None)
-    if dump is None or not int(os.environ.get("TORCH_FR_BUFFER_SIZE") or os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE")
-                               or 0):
+    """The Flight Recorder's dump of this rank's last collectives, for
+    `python -m torch.distributed.flight_recorder.fr_trace OUTPUT_DIR/hang --prefix flight_recorder_rank`."""
+    if not flight_recorder_on():
         return
     try:
-        path.write_bytes(dump())
+        path.write_bytes(torch._C._distributed_c10d._dump_fr_trace())
     except Exception as err:  # the hang is reported anyway
         print(f"note: no Flight Recorder dump ({err})", file=sys.stderr, flush=True)
+
+
+def issued_collectives():
+    """{process group: [collectives this rank issued in it, the last one's name]}, from the Flight
+    Recorder (what the rank queued, whether or not it has run); {} where it is off."""
+    if not flight_recorder_on():
+        return {}
+    try:
+        entries = json.loads(torch._C._distributed_c10d._dump_fr_trace_json(True, False)).get("entries", [])
+    except Exception:  # the report goes on without it
+        return {}
+    issued = {}
+    for entry in entries:  # in the order issued
+        group = entry.get("process_group", ["?", "?"])[-1]
+        if entry.get("collective_seq_id"):
+            issued[group] = [entry["collective_seq_id"], entry.get("profiling_name", "?").split(":")[-1]]
+    return issued
 
 
 def waiting_in(frame):
@@ -124,6 +195,31 @@ def waiting_in(frame):
     return f"busy in {stack[-1].name}{at}" if stack else "busy"
 
 
+def behind(records):
+    """Which rank is behind, by what the ranks issued: in the first process group where they
+    differ, the ranks that issued fewer collectives than the most, or, as many, another last one."""
+    for group in sorted({group for record in records.values() for group in record.get("issued", {})}):
+        issued = {rank: record["issued"].get(group, [0, "none"]) for rank, record in records.items()}
+        most = max(count for count, _ in issued.values())
+        fewer = sorted(rank for rank, (count, _) in issued.items() if count < most)
+        ahead = [rank for rank in issued if rank not in fewer]
+        if fewer:
+            last = issued[ahead[0]][1]
+            counts = ", ".join(str(issued[rank][0]) for rank in fewer)
+            return (f"{ranks_named(fewer)} behind: {counts} collective(s) issued in process group {group}, "
+                    f"against {most} by {ranks_named(ahead, verb=False)} (whose last was {last})")
+        names = {rank: last for rank, (_, last) in issued.items()}
+        if len(set(names.values())) > 1:
+            return (f"the ranks issued different collectives as number {most} in process group {group}: "
+                    + ", ".join(f"rank {rank} {name}" for rank, name in sorted(names.items())))
+    return None
+
+
+def ranks_named(ranks, verb=True):
+    words = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+    return f"{words} {'is' if len(ranks) == 1 else 'are'}" if verb else words
+
+
 def describe(records, world_size, timeout_s):
     wheres = {record["where"] for record in records.values()}
     silent = [rank for rank in range(world_size) if rank not in records]
@@ -131,4 +227,6 @@ def describe(records, world_size, timeout_s):
     if silent:
         parts.append(f"{'rank' if len(silent) == 1 else 'ranks'} {', '.join(map(str, silent))} did not answer "
                      "(stopped or gone)")
-    return f"no progress for {timeout_s} s in {' / '.join(sorted(wheres))}: {'; '.join(parts)}"
+    lagging = behind(records) if len(records) > 1 else None
+    return f"no progress for {timeout_s} s in {' / '.join(sorted(wheres))}: " + "; ".join(
+        ([lagging] if lagging else []) + parts)

@@ -1,4 +1,5 @@
 """metrics.jsonl (one JSON object per optimiser step), memory figures and the final table."""
+import contextlib
 import json
 import resource
 import sys
@@ -12,16 +13,37 @@ from common.tracking import Tracker
 
 class MetricsLog:
     """Where each optimiser step's figures go: one JSON line in metrics.jsonl, always, and the
-    trackers asked for with --report_to. Only the rank that logs (rank 0) writes anything."""
+    trackers asked for with --report_to; summary.json at the end. Only the rank that logs (rank 0)
+    writes anything. It knows the run (its arguments, ranks and device, the model's FLOPs per
+    token for MFU), so that a step hands it only what the step measured."""
 
-    def __init__(self, run_dir, enabled, report_to=(), params=None, resumed_at=0):
+    def __init__(self, run_dir, enabled, args, model, world_size, accumulation, device, resumed_at=0):
         path = run_dir.metrics
         if enabled and resumed_at and path.exists():  # keep the steps up to the checkpoint; later ones will be redone
             kept = [line for line in path.read_text().splitlines() if step_of(line) <= resumed_at]
             path.write_text("".join(line + "\n" for line in kept))
         self.file = path.open("a" if resumed_at else "w", encoding="utf-8") if enabled else None
-        self.tracker = Tracker(list(report_to), run_dir.path, run_dir.path.name, params or {}, enabled)
-        self.records = []
+        self.tracker = Tracker(list(args.report_to), run_dir.path, run_dir.path.name,
+                               run_params(args, world_size, device), enabled)
+        self.run_dir, self.records, self.enabled = run_dir, [], enabled
+        self.args, self.world_size, self.accumulation, self.device = args, world_size, accumulation, device
+        self.model_flops = flops_per_token(getattr(model, "module", model), args.max_seq_length)  # DDP's: its model
+
+    def timer(self):
+        """A new step's timer (StepTimer)."""
+        return StepTimer()
+
+    def step_record(self, step, tokens, loss_total, grad_norm, lr, timer):
+        """The figures of optimiser step `step`: what the step measured (already read from the GPU)
+        and what follows from it. Stops `timer`."""
+        elapsed, data_wait = timer.finish()
+        per_device = tokens / elapsed / self.world_size
+        return {"step": step, "loss": loss_total / tokens, "lr": lr, "grad_norm": grad_norm, "tokens": int(tokens),
+                "tokens_per_s": tokens / elapsed, "tokens_per_s_per_device": per_device, "step_time_s": elapsed,
+                "data_wait_s": data_wait, "world_size": self.world_size,
+                "gradient_accumulation_steps": self.accumulation,
+                "batch_size_per_device": self.args.batch_size_per_device, **peak_memory(self.device),
+                **model_flops_utilization(per_device, self.model_flops, self.device)}
 
     def write(self, record):
         record["since_start_s"] = round(time.time() - psutil.Process().create_time(), 2)  # time to first step
@@ -31,10 +53,21 @@ class MetricsLog:
             self.file.flush()  # a killed job still leaves every finished step on disk
             self.tracker.log(record, step=record["step"])
 
+    def peak_memory(self):
+        """This process's peak memory so far (peak_memory)."""
+        return peak_memory(self.device)
+
     def close(self):
         if self.file is not None:
             self.file.close()
+            self.file = None
         self.tracker.close()
+
+    def finish(self, name, untrained, peaks_per_rank):
+        """summary.json, and its figures in one line on stdout: the run has ended."""
+        self.close()
+        if self.enabled:
+            print_summary(name, write_summary(self.run_dir, name, self.records, untrained, peaks_per_rank))
 
 
 def step_of(line):
@@ -115,21 +148,27 @@ def model_flops_utilization(tokens_per_s_per_device, flops_per_token, device):
 
 
 class StepTimer:
-    """Wall time of a step, split into waiting for data and the rest (compute + communication)."""
+    """Wall time of a step, split into waiting for data and the rest (compute + communication).
+    It does not wait for the GPU itself: the step's one read of its figures has (see the loop)."""
 
-    def __init__(self, device):
-        self.device = device
+    def __init__(self):
         self.start = time.perf_counter()
         self.data_wait = 0.0
 
-    def data_ready(self, since):
+    @contextlib.contextmanager
+    def waiting_for_data(self):
+        since = time.perf_counter()
+        yield
         self.data_wait += time.perf_counter() - since
 
+    def seconds(self, work, *args):
+        """Runs work(*args) and returns how long it took (a checkpoint's save)."""
+        since = time.perf_counter()
+        work(*args)
+        return time.perf_counter() - since
+
     def finish(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # once per optimiser step, so the time is honest
-        elapsed = time.perf_counter() - self.start
-        return elapsed, self.data_wait
+        return time.perf_counter() - self.start, self.data_wait
 
 
 def print_summary(title, figures, file=sys.stdout):

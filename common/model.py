@@ -100,6 +100,15 @@ def load_tokenizer(name, config, trust_remote_code=False):
     return tokenizer
 
 
+def load_model_files(args):
+    """The run's model files: its config (checked against --max_seq_length), its tokenizer, and the
+    notation the games are written in for it (common/notation.py), which goes into the config."""
+    from common.notation import training_notation
+    config = load_config(args.model, args.trust_remote_code, max_seq_length=args.max_seq_length)
+    tokenizer = load_tokenizer(args.model, config, args.trust_remote_code)
+    return config, tokenizer, training_notation(args, config)
+
+
 def build_model(config, trust_remote_code=False):
     """Random weights of the given shape (meta device or fake tensors: no memory at all)."""
     from transformers import AutoModelForCausalLM

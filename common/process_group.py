@@ -4,15 +4,22 @@ Under torchrun every rank joins one group (steps 3 to 5). On GPUs NCCL carries t
 and only GPU tensors; on the CPU gloo does. A collective waits at most `timeout_s` for the other
 ranks, then fails the job: long enough for the slowest legitimate wait (the other ranks wait in
 the first broadcast while rank 0 reads 7B from a shared file system, and at a barrier while rank 0
-writes a 7B checkpoint), short enough that a hung job does not hold its GPUs for hours. In the
-training loop common/hang.py's watchdog reports a hang at `timeout_s`, with every rank's stacks; the
-backend's own timeout is a minute longer, so that the watchdog speaks first.
+writes a 7B checkpoint), short enough that a hung job does not hold its GPUs for hours.
+common/hang.py's watchdog reports a hang at `timeout_s`, with every rank's stacks; the backend's
+own timeout is a minute longer, so that the watchdog speaks first.
+
+PyTorch's Flight Recorder is on (TORCH_FR_BUFFER_SIZE, unless set already): each rank keeps its
+last collectives, as it issues them, which is how the watchdog tells the rank that is behind.
 """
+import os
 from datetime import timedelta
 
 import torch.distributed as dist
 
+from common.signals import die_with_launcher
+
 WATCHDOG_FIRST_S = 60  # the backend's timeout is this much longer than the watchdog's
+FLIGHT_RECORDER_ENTRIES = 2000  # the last collectives each rank keeps (FSDP: about 3 per layer and micro-batch)
 
 
 def backend(device_type, cpu_tensors=False):
@@ -25,9 +32,11 @@ def backend(device_type, cpu_tensors=False):
 
 
 def init_process_group(device, timeout_s, cpu_tensors=False):
-    """Join the job's process group. On a GPU, `device_id` binds this rank's GPU to it: NCCL
-    connects at once (a broken network shows here, not at the first collective), and the
-    sub-groups of a 2-D mesh are split from it."""
+    """Join the job's process group, dying with the launcher. On a GPU, `device_id` binds this
+    rank's GPU to it: NCCL connects at once (a broken network shows here, not at the first
+    collective), and the sub-groups of a 2-D mesh are split from it."""
+    die_with_launcher()  # no orphaned ranks if torchrun is killed
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES))  # read as the group starts
     timeout = timedelta(seconds=timeout_s + WATCHDOG_FIRST_S)
     dist.init_process_group(backend=backend(device.type, cpu_tensors), timeout=timeout,
                             device_id=device if device.type == "cuda" else None)

@@ -42,14 +42,20 @@ class StopFlag:
         self.received = signum
         errors.stop_was_requested(signum)
 
-    def requested(self):
-        """True on every rank if any rank got a signal (the signal may reach the ranks of
-        different nodes at different moments). A collective: call it at the same point on all ranks."""
-        if not dist.is_initialized():
-            return self.received is not None
+    def any_rank(self):
+        """1.0 if any rank got a signal (it may reach the ranks of different nodes at different
+        moments), else 0.0: a tensor on the device, all-reduced, not read yet, so that the step reads it
+        with its figures, in the step's one wait for the GPU. A collective: call it at the same point
+        on all ranks."""
         flag = torch.tensor(float(self.received is not None), device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag
+
+    def requested(self):
+        """True on every rank if any rank got a signal; reads the flag at once (the evaluation asks
+        between its batches, which wait for the GPU anyway). A collective, like any_rank."""
+        return bool(self.any_rank().item())
 
     def reason(self):
         names = {signal.SIGTERM: "SIGTERM", PREEMPTION_SIGNAL: "the preemption warning (USR2)",

@@ -86,6 +86,8 @@ def main(argv=None):
         _, first = err.get_first_failure()
         if first.exitcode in SAID_IN_ONE_LINE:
             sys.exit(first.exitcode)
+        if any(failure.exitcode == HANG for failure in err.failures.values()):  # the watchdog killed a silent rank
+            sys.exit(HANG)
         held.replay()
         raise
     except SignalException as err:

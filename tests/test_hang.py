@@ -11,12 +11,13 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
 import pytest
 
-from conftest import REPO, STEP_SCRIPTS, demo_args, run_step
+from conftest import REPO, STEP_SCRIPTS, demo_args, run_step, with_changed
 from test_faults import ranks_of
 
 TIMEOUT_S = 10
@@ -68,6 +69,79 @@ def test_a_frozen_rank_ends_the_job_with_one_line_and_every_stack(demo, tmp_path
     assert step < 12 and (out / "final" / "config.json").is_file()
 
 
+def start_fsdp(args):
+    command = [sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc-per-node=2",
+               str(STEP_SCRIPTS["fsdp"]), *map(str, args)]
+    return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
+
+
+def ended_with_one_line(process, after, stderr, ranks):
+    """The job ended by itself within the timeout and a little, with one `error:` line, which it returns."""
+    try:
+        process.wait(timeout=TIMEOUT_S + 120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        for rank in ranks:
+            try:
+                rank.kill()
+            except psutil.NoSuchProcess:
+                pass
+    stderr = "".join(stderr)
+    assert process.returncode == 3, stderr[-3000:]
+    assert time.time() - after < TIMEOUT_S + 30, "the job did not end soon after the timeout"
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, stderr[-3000:]
+    assert "Traceback" not in stderr and "ChildFailedError" not in stderr, stderr[-3000:]
+    return errors[0]
+
+
+def read_in_background(stream):
+    """What `stream` has said so far, a list that grows (a thread reads it)."""
+    said = []
+    threading.Thread(target=lambda: said.extend(iter(lambda: stream.read(1), "")), daemon=True).start()
+    return said
+
+
+def test_a_rank_frozen_while_the_model_loads_ends_the_job(demo, tmp_path):
+    """The watchdog runs from the start: rank 0 frozen as it reads the weights (Hugging Face's
+    "Loading weights"), which the other rank waits for in the load's broadcast, or, had rank 0 sent
+    them already, in the untrained model's evaluation."""
+    out = tmp_path / "run"
+    process = start_fsdp(demo_args(demo, out) + ["--collective_timeout", TIMEOUT_S])
+    ranks = ranks_of(process)
+    stderr = read_in_background(process.stderr)
+    deadline = time.time() + 300
+    while "Loading weights" not in "".join(stderr):
+        assert process.poll() is None and time.time() < deadline, "".join(stderr)[-3000:]
+        time.sleep(0.01)
+    ranks[0].send_signal(signal.SIGSTOP)
+    line = ended_with_one_line(process, time.time(), stderr, ranks.values())
+    assert re.match(rf"error: no progress for {TIMEOUT_S} s in (loading|untrained evaluation): rank 1 waiting in ",
+                    line), line
+    assert "rank 0 did not answer (stopped or gone)" in line, line
+    assert (out / "hang" / "stacks-rank1.txt").is_file() and not (out / "metrics.jsonl").exists()
+
+
+def test_a_rank_frozen_in_the_first_evaluation_ends_the_job(demo, tmp_path):
+    """Frozen (SIGSTOP) as the untrained model's evaluation starts: the other rank waits for it there."""
+    out = tmp_path / "run"
+    process = start_fsdp(with_changed(demo_args(demo, out), ["--eval_games", 64]) + ["--collective_timeout", TIMEOUT_S])
+    ranks = ranks_of(process)
+    stderr = read_in_background(process.stderr)
+    for said in process.stdout:  # rank 0 says the batch plan just before the evaluation
+        if said.startswith("total batch"):
+            break
+    assert process.poll() is None, "".join(stderr)[-3000:]
+    ranks[1].send_signal(signal.SIGSTOP)
+    line = ended_with_one_line(process, time.time(), stderr, ranks.values())
+    assert line.startswith(f"error: no progress for {TIMEOUT_S} s in untrained evaluation: rank 0 waiting in "), line
+    assert "rank 1 did not answer (stopped or gone)" in line, line
+    assert not (out / "metrics.jsonl").exists()  # no step was taken
+
+
 def test_profile_steps_writes_a_trace_and_a_summary_per_rank(demo, tmp_path):
     out = tmp_path / "run"
     run_step("fsdp", demo_args(demo, out) + ["--max_steps", 4, "--profile_steps", "2-3", "--total_batch_size", 4,
@@ -91,7 +165,6 @@ def test_profile_steps_is_checked_before_anything_runs(demo, tmp_path):
 RANKS = '''
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -99,11 +172,18 @@ import torch.distributed as dist
 
 from common.errors import leave_after_success
 from common.hang import Watchdog
+from common.process_group import init_process_group
 
 case, folder = sys.argv[1], Path(sys.argv[2])
-dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+init_process_group(torch.device("cpu"), 60)  # the kit's: gloo, the Flight Recorder on
 rank = dist.get_rank()
-watchdog = Watchdog(folder, 3)
+watchdog = Watchdog(folder, 3, "loading")
+if case == "falls behind":  # as on a GPU: collectives queued, then every rank waits for their results
+    watchdog.phase("training", 1)
+    work = [dist.all_reduce(torch.ones(4), async_op=True) for _ in range(3 if rank == 0 else 2)]
+    for queued in work:
+        queued.wait()  # what the step's read of its figures does on a GPU
+    time.sleep(600)  # rank 1 never gets to its third (a data loader that never answers, say)
 for step in (1, 2, 3):
     watchdog.phase("training", step)
     dist.all_reduce(torch.ones(4))
@@ -123,14 +203,22 @@ leave_after_success()
 
 @pytest.mark.parametrize("case, said", [
     # rank 1 sleeps in the checkpoint phase: its own watchdog reports it busy there, rank 0 waits
-    ("sticks in I/O", r"no progress for 3 s in checkpoint of step 2: rank 0 waiting in barrier \(ranks\.py:\d+\); "
-                      r"rank 1 busy in <module> \(ranks\.py:\d+\)"),
+    ("sticks in I/O", r"no progress for 3 s in checkpoint of step 2: rank 1 is behind: 3 collective\(s\) issued in "
+                      r"process group default_pg, against 4 by rank 0 \(whose last was barrier\); rank 0 waiting in "
+                      r"barrier \(ranks\.py:\d+\); rank 1 busy in <module> \(ranks\.py:\d+\)"),
     # rank 1 skips the evaluation's collective: the ranks wait in different collectives and phases
-    ("skips the evaluation", r"no progress for 3 s in checkpoint of step 2 / evaluation of step 2: rank 0 waiting in "
-                             r"all_reduce \(ranks\.py:\d+\); rank 1 waiting in barrier \(ranks\.py:\d+\)"),
+    ("skips the evaluation", r"no progress for 3 s in checkpoint of step 2 / evaluation of step 2: the ranks issued "
+                             r"different collectives as number 3 in process group default_pg: rank 0 all_reduce, "
+                             r"rank 1 barrier; rank 0 waiting in all_reduce \(ranks\.py:\d+\); rank 1 waiting in "
+                             r"barrier \(ranks\.py:\d+\)"),
+    # asynchronous collectives (NCCL's): every rank is busy, none in a collective; what they issued tells
+    ("falls behind", r"no progress for 3 s in training of step 1: rank 1 is behind: 2 collective\(s\) issued in "
+                     r"process group default_pg, against 3 by rank 0 \(whose last was all_reduce\); rank 0 busy in "
+                     r"<module> \(ranks\.py:\d+\); rank 1 busy in <module> \(ranks\.py:\d+\)"),
 ])
 def test_a_rank_that_sticks_or_skips_a_collective_ends_the_job_with_one_line(tmp_path, case, said):
-    """The other two cases of the issue, on the watchdog alone (2 gloo ranks, a 3 s timeout)."""
+    """The other cases, on the watchdog alone (2 gloo ranks, a 3 s timeout): the rank that is behind is
+    named by what each rank issued (the Flight Recorder), whether or not its stack shows it."""
     script = tmp_path / "ranks.py"
     script.write_text(RANKS)
     done = subprocess.run([sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc-per-node=2",
@@ -140,4 +228,5 @@ def test_a_rank_that_sticks_or_skips_a_collective_ends_the_job_with_one_line(tmp
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and re.search(said, errors[0]), done.stderr[-3000:]
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
-    assert sorted(p.name for p in (tmp_path / "hang").iterdir()) == ["stacks-rank0.txt", "stacks-rank1.txt"]
+    assert sorted(p.name for p in (tmp_path / "hang").iterdir()) == [
+        "flight_recorder_rank0", "flight_recorder_rank1", "stacks-rank0.txt", "stacks-rank1.txt"]
