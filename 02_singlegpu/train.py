@@ -24,7 +24,7 @@ from common.checkpoint import (checkpoint_bytes, load_file, load_newest, mark_co
 from common.chess_eval import StopEvaluation, game_prefixes, legal_move_sums, share_of_rank, validation_loss_sums
 from common.data import GlobalBatchSampler, count_loss_tokens, loss_sum, make_loader
 from common.device import pick_device
-from common.errors import exit_on_user_error
+from common.errors import exit_on_user_error, say
 from common.hang import Watchdog
 from common.metrics import (MetricsLog, StepTimer, flops_per_token, model_flops_utilization, peak_memory,
                             print_summary, run_params, write_summary)
@@ -190,7 +190,7 @@ def main():
         if stopping:
             metrics.close()
             watchdog.done()
-            tqdm.write(f"preempted: saved a checkpoint at step {step + 1} in {output_dir}; continue with --resume "
+            say(f"preempted: saved a checkpoint at step {step + 1} in {output_dir}; continue with --resume "
                        f"(stopped by {stop.reason()})")
             return
     metrics.close()

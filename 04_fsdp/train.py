@@ -29,7 +29,7 @@ from common.checkpoint import (TRAIN_STATE, load_file, load_newest, load_sharded
 from common.chess_eval import StopEvaluation, game_prefixes, legal_move_sums, share_of_rank, validation_loss_sums
 from common.data import GlobalBatchSampler, count_loss_tokens, loss_sum, make_loader
 from common.device import pick_device
-from common.errors import UserError, exit_on_user_error
+from common.errors import UserError, exit_on_user_error, say
 from common.hang import Watchdog
 from common.metrics import (MetricsLog, StepTimer, flops_per_token, model_flops_utilization, peak_memory,
                             print_summary, run_params, write_summary)
@@ -298,7 +298,7 @@ def main():
             metrics.close()
             watchdog.done()
             if is_main:
-                tqdm.write(f"preempted: saved a checkpoint at step {step + 1} in {output_dir}; continue with "
+                say(f"preempted: saved a checkpoint at step {step + 1} in {output_dir}; continue with "
                            f"--resume (stopped by {stop.reason()})")
             model = None  # as at the end of main
             gc.collect()

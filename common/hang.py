@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
+
+from common.errors import say
 
 HANG_EXIT = 3  # launch/torchrun.py: the rank has said why in one line
 RECORD_WAIT_S = 5  # how long the first rank to report waits for the others' records
@@ -78,9 +79,8 @@ class Watchdog:
         write_flight_recorder(self.folder / f"nccl_trace_rank_{self.rank}")
         records = self.exchange({"where": where, "doing": doing})
         if self.rank == min(records):
-            tqdm.write(f"error: {describe(records, self.world_size, self.timeout_s)}; every rank's stacks are in "
-                       f"{self.folder}/: raise --collective_timeout if this wait was legitimate", file=sys.stderr)
-            sys.stderr.flush()
+            say(f"error: {describe(records, self.world_size, self.timeout_s)}; every rank's stacks are in "
+                f"{self.folder}/: raise --collective_timeout if this wait was legitimate", file=sys.stderr)
         os._exit(HANG_EXIT)
 
     def exchange(self, mine):
