@@ -466,3 +466,26 @@ def test_the_engine_s_peak_memory_stays_flat_over_a_200_ply_game(demo):
     finally:
         engine.kill()
     assert peaks[200] <= 1.1 * peaks[20], peaks
+
+
+def test_the_evaluation_and_generation_build_no_graph(demo):
+    """The legal-move evaluation, the validation loss and Hugging Face's generate (the README's
+    snippet) run every forward pass with gradients off, on a model whose parameters ask for them."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from common.chess_eval import answers, validation_loss_sums
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(demo / "model").eval()
+    tokenizer = AutoTokenizer.from_pretrained(demo / "model")
+    assert all(p.requires_grad for p in model.parameters())
+    grad_modes = []
+    model.register_forward_hook(lambda module, inputs, output: grad_modes.append(torch.is_grad_enabled()))
+    games = [json.loads(line)["text"].split() for line in (demo / "data/validation.jsonl").read_text().splitlines()[:4]]
+    answers(model, tokenizer, "piece", [game[:10] for game in games], 2, 256, torch.device("cpu"))
+    ids = tokenizer("P e2 e4 p e7 e5", return_tensors="pt").input_ids
+    validation_loss_sums(model, [ids[0], ids[0][:4]], 2, tokenizer.pad_token_id, torch.device("cpu"))
+    model.generate(ids, max_new_tokens=3, do_sample=False)
+    assert len(grad_modes) > 10 and not any(grad_modes)
