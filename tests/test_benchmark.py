@@ -224,7 +224,6 @@ def test_an_earlier_benchmark_is_refused_before_anything_runs(demo, tmp_path, ea
     assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()) == [earlier]
 
 
-@pytest.mark.quick
 def test_the_bytes_measurement_and_the_trainer_baseline_keep_what_exists(demo, tmp_path):
     """The kin: run.py's own bytes mode under torchrun (--out FILE) and hf_trainer_fsdp.py's run folder."""
     (tmp_path / "bytes.json").write_text("mine")

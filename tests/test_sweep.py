@@ -182,10 +182,8 @@ def test_bad_options_are_one_error_line(arguments, message, no_slurm_env):
 def test_collect_of_a_damaged_sweep_json_is_one_line(tmp_path, content):
     """Case 13: a truncated sweep.json was a traceback."""
     (tmp_path / "sweep.json").write_text(content)
-    result = run_sweep("--collect", tmp_path)
-    assert result.returncode == 2 and result.stdout == "", result.stderr
-    assert result.stderr.startswith(f"error: {tmp_path / 'sweep.json'} is damaged (") and result.stderr.count(
-        "\n") == 1, result.stderr
+    with pytest.raises(UserError, match=f"^{tmp_path / 'sweep.json'} is damaged \\("):
+        sweep_module.collect(tmp_path)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["sweep.json"]
 
 
