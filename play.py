@@ -508,7 +508,8 @@ def uci_loop(args):
     """Reads commands until `quit` or the end of stdin. The model loads in the background, so that
     `uci` is answered at once (GUIs wait only seconds for uciok); isready and go wait for it."""
     protocol, sys.stdout = sys.stdout, sys.stderr  # anything else printed (a library's notice) goes to stderr
-    sys.stdin.reconfigure(errors="replace")  # a stray byte is an unknown command, not the end of the engine
+    if hasattr(sys.stdin, "reconfigure"):  # a stray byte is an unknown command, not the end of the engine
+        sys.stdin.reconfigure(errors="replace")
     loaded = {}
 
     def load():
