@@ -30,7 +30,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from common.arguments import DEMO_DIR, Parser
 from common.batch import gradient_accumulation_steps
 from common.data import collate
-from common.errors import exit_on_user_error
+from common.errors import UserError, exit_on_user_error
 from common.model import load_config, load_model, load_tokenizer
 from common.notation import model_notation
 from common.prepare_data import prepared_rows
@@ -42,7 +42,8 @@ def parse_arguments():
     parser.add("model", default=str(DEMO_DIR / "model"))
     parser.add("data_dir", default=str(DEMO_DIR / "data"))
     parser.add("prepared_dir", default=None, help="where the tokenized games are kept (as the step scripts)")
-    parser.add("output_dir", required=True)
+    parser.add("output_dir", required=True, help="metrics.jsonl, summary.json and the Trainer's files go here")
+    parser.add("overwrite", action="store_true", help="replace the run in --output_dir")
     parser.add("total_batch_size", type=int, default=16, help="rows per optimiser step, over all ranks")
     parser.add("batch_size_per_device", type=int, default=4,
                help="rows per forward pass on each rank; the gradient accumulation makes up the rest")
@@ -58,6 +59,9 @@ def main():
     args = parse_arguments()
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     output_dir = Path(args.output_dir)
+    if (RunDir(output_dir).metrics.exists() or RunDir(output_dir).summary.exists()) and not args.overwrite:
+        raise UserError(f"{output_dir} already holds a run: pass --overwrite to replace it, or choose another "
+                        "--output_dir")
     output_dir.mkdir(parents=True, exist_ok=True)
 
     # The same batch contract as the step scripts: total = per device × ranks × accumulation.

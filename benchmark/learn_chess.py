@@ -16,17 +16,24 @@ game: the greedy next move, read back as a move and checked with python-chess, c
 by phase of the game, beside a trigram table's move (the side to move and the last two moves: what
 move statistics alone score) on the same positions.
 
+--out must be new or empty, or hold a learning run, which only --overwrite replaces (its model,
+data, run and results; anything else in --out stays): a folder with other files (a copy of demo/)
+is never written into. --quick has its own default --out, and its settings give way to the options
+given with it.
+
 Into --out it writes legal_moves.png (the legal-move rate, the baseline's and the validation loss
 against the tokens seen), legal_moves.md (the same as tables, with the command, the recipe and the
 times) and legal_moves.json. The wall time counts everything this command does. Measured on 2
 cores from a fresh clone (2026-11-26): 78.5% legal moves on the 1,000 held-out positions in 748 s,
 the trigram table 33.0%; with --optimizer adamw 74.2% in 771 s (the README has the tables).
 """
+import argparse
 import ast
 import json
 import os
 import resource
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -51,6 +58,43 @@ LEARNING_RATES = {"muon": 9e-3, "adamw": 3e-3}
 # --quick: the whole path on a few games in a few steps; it says nothing about learning.
 QUICK = {"train_games": 300, "held_out": 24, "max_steps": 6, "eval_every": 3, "eval_games": 8,
          "total_batch_size": 4, "batch_size_per_device": 2}
+
+
+# --out holds a learning run when it holds this record (written first), or a train.log (older runs).
+RECORD = "learn_chess.json"
+# What a learning run writes into --out, all --overwrite deletes (prepared/ is a cache of the
+# tokenized games by their content: kept).
+OUTPUTS = ("model", "data", "run", "train.log", "legal_moves.png", "legal_moves.md", "legal_moves.json", RECORD)
+
+
+def take_out_folder(args):
+    """Check --out before anything is built, then (with --overwrite) delete the learning run there
+    and record this one. Refused: a file; a folder with other things in it (a copy of demo/, a
+    user's files), which would be written over; a learning run without --overwrite."""
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file: name a folder (new or empty) for the learning run")
+    present = sorted(path.name for path in out.iterdir()) if out.is_dir() else []
+    if present and not ((out / RECORD).is_file() or (out / "train.log").is_file()):
+        raise UserError(f"--out {out} is not empty and holds no learning run ({', '.join(present[:4])}"
+                        f"{', ...' if len(present) > 4 else ''}): its model/, data/ and run/ would be written over; "
+                        "choose a new or empty folder")
+    if present and not args.overwrite:
+        raise UserError(f"--out {out} holds a learning run already: pass --overwrite to replace it (its model, data, "
+                        "run and results), or choose another --out")
+    try:
+        for name in OUTPUTS:
+            path = out / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            elif path.exists() or path.is_symlink():
+                path.unlink()
+        out.mkdir(parents=True, exist_ok=True)
+        (out / RECORD).write_text(json.dumps({"command": shlex.join(["python", *sys.argv]),
+                                              "started": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
+    except OSError as err:
+        raise UserError(f"cannot write the learning run into --out {out} ({err.strerror}): choose another --out") \
+            from None
 
 
 def build_model(folder, seed, notation, layers, hidden):
@@ -91,7 +135,7 @@ def train_command(args, model_dir, data_dir, run_dir):
                "seed": args.seed, "device": "cpu"}
     # --no_packing: one game per row, from its first move, as the evaluation shows them; packed rows
     # start mid-game and run several games together (at step 100: 7% legal moves against 16%)
-    return launcher + [f"--{name}={value}" for name, value in options.items()] + ["--no_packing", "--overwrite"]
+    return launcher + [f"--{name}={value}" for name, value in options.items()] + ["--no_packing"]
 
 
 def untrained_figures(output):
@@ -185,13 +229,18 @@ def load_average():
 
 def parse_arguments(argv=None):
     parser = Parser(__doc__.split("\n\n")[0])
-    parser.add("out", default=str(REPO / "runs" / "learn_chess"), help="model, data, run and results go here")
-    parser.add("quick", action="store_true", help="a few steps on a few games (seconds); says nothing about learning")
+    parser.add("out", default=None, help="model, data, run and results go here: a new or empty folder, or a learning "
+               "run's with --overwrite (default: runs/learn_chess, with --quick runs/learn_chess_quick)")
+    parser.add("overwrite", action="store_true",
+               help="replace the learning run in --out (its model, data, run and results; nothing else there)")
+    parser.add("quick", action="store_true", help="a few steps on a few games (seconds); says nothing about learning; "
+               "its settings give way to the options given with it")
     parser.add("nproc", type=int, choices=[1, 2], default=2,
                help="2: 03_ddp/train.py on 2 ranks; 1: 02_singlegpu/train.py")
     parser.add("notation", choices=NOTATIONS, default="piece", help="how the games are written (common/notation.py)")
     parser.add("layers", type=at_least(1), default=8, help="decoder layers of the model")
-    parser.add("hidden", type=at_least(8), default=128, help="hidden size of the model (4 heads)")
+    parser.add("hidden", type=at_least(8), default=128, help="hidden size of the model: a multiple of 8 (4 heads of an "
+               "even size, as rotary positions need)")
     parser.add("learn_games", default=str(LEARN_GAMES), help="games added to the sample's ('' for none)")
     parser.add("train_games", type=at_least(0), default=0, help="train on the first N games only (0: all)")
     parser.add("held_out", type=at_least(1), default=1000, help="openings held out for the evaluation")
@@ -210,10 +259,18 @@ def parse_arguments(argv=None):
     parser.add("eval_games", type=at_least(1), default=200, help="held-out positions for the curve (during training)")
     parser.add("seed", type=at_least(0), default=0, help="the model's initialisation, the data order and the positions")
     args = parser.parse_args(argv)
-    if args.quick:
-        vars(args).update(QUICK)
+    if args.quick:  # QUICK's values are its defaults: argparse fills in only what the namespace lacks
+        args = parser.parse_args(argv, argparse.Namespace(**QUICK))
+    if args.out is None:
+        args.out = str(REPO / "runs" / ("learn_chess_quick" if args.quick else "learn_chess"))
     if args.learning_rate is None:
         args.learning_rate = LEARNING_RATES[args.optimizer]
+    if args.hidden % 8:
+        raise UserError(f"--hidden {args.hidden}: the model's 4 heads need a hidden size that is a multiple of 8 "
+                        f"(each head an even size, for rotary positions): e.g. --hidden {args.hidden // 8 * 8 or 8}")
+    if args.learn_games and Path(args.learn_games).is_dir():
+        raise UserError(f"--learn_games {args.learn_games} is a folder: it takes a Parquet file of games, as "
+                        "01_download/chess_learn.parquet (or '' for none)")
     if args.learn_games and not Path(args.learn_games).is_file():
         raise UserError(f"{args.learn_games} does not exist: it ships with the repo (make it again with the command "
                         "in 01_download/make_chess_sample.py's docstring), or pass --learn_games ''")
@@ -225,6 +282,7 @@ def parse_arguments(argv=None):
 def main():
     args = parse_arguments()
     began, load_before = time.time(), load_average()
+    take_out_folder(args)
     out = Path(args.out)
     model_dir, data_dir, run_dir = out / "model", out / "data", out / "run"
     parameters = build_model(model_dir, args.seed, args.notation, args.layers, args.hidden)
@@ -244,9 +302,10 @@ def main():
                           bufsize=1) as training, (out / "train.log").open("w") as log:
         for line in training.stdout:  # the evaluations as they come; everything into train.log
             log.write(line)
-            lines.append(line.rstrip("\n"))
-            if line.startswith(("step ", "untrained", "prepared")):
-                print("  " + line.rstrip(), flush=True)
+            shown = line.rstrip("\n").split("\r")[-1]  # a line written while the bar is drawn follows it
+            lines.append(shown)
+            if shown.startswith(("step ", "untrained", "prepared")):
+                print("  " + shown.rstrip(), flush=True)
     if training.returncode != 0:
         raise UserError(f"training failed (exit status {training.returncode}); its last lines (all in "
                         f"{out / 'train.log'}):\n" + "\n".join(lines[-15:]))

@@ -14,7 +14,10 @@ with the step scripts' own functions: after the optimiser step, and between micr
 
     torchrun --nproc-per-node 2 benchmark/run.py --model demo/model --out bytes.json   # that alone
 
-Writes results.md, results.json, tokens_per_s.png and memory.png into --out, and checks the targets.
+Writes results.md, results.json, tokens_per_s.png and memory.png into --out (by default beside
+the runs, in runs/benchmark/), and checks the targets. The results and runs of an earlier benchmark
+there are refused before anything runs; --overwrite replaces them (`--out benchmark --overwrite`:
+the figures the README shows).
 """
 import json
 import os
@@ -172,7 +175,8 @@ def run_configuration(run, models, args, steps):
     arguments = ["--model", models[run.model], "--data_dir", args.data_dir, "--output_dir", output_dir,
                  "--max_steps", steps, "--max_seq_length", SEQ_LENGTH, "--learning_rate", LEARNING_RATE, *run.extra]
     if run.script != "hf_trainer":  # the step scripts evaluate; keep that small, it is not timed
-        arguments += ["--eval_every", 0, "--eval_rows", 16, "--eval_games", 16, "--overwrite"]
+        arguments += ["--eval_every", 0, "--eval_rows", 16, "--eval_games", 16]
+    arguments.append("--overwrite")  # this benchmark's own run (main checked the folder), or its earlier round
     print(f"== {run.model}, accumulation {run.accumulation}, {run.name}: {SCRIPTS[run.script]} on {run.ranks} "
           "rank(s)", flush=True)
     wall = launch(SCRIPTS[run.script], run.ranks, arguments, output_dir / "log.txt", args.timeout)
@@ -195,8 +199,9 @@ def measure_bytes(model, model_dir, ranks, args):
     stem = f"bytes_{model.replace(' ', '_')}_x{ranks}"
     out = Path(args.runs_dir) / f"{stem}.json"
     print(f"== {model}: the bytes a rank holds, on {ranks} ranks", flush=True)
-    launch("benchmark/run.py", ranks, ["--model", model_dir, "--out", out], Path(args.runs_dir) / f"{stem}.log",
-           args.timeout)
+    replace = ["--overwrite"] if args.overwrite else []
+    launch("benchmark/run.py", ranks, ["--model", model_dir, "--out", out, *replace],
+           Path(args.runs_dir) / f"{stem}.log", args.timeout)
     measured = json.loads(out.read_text())
     return {moment: {name: {part: max(values) for part, values in parts.items()}
                      for name, parts in measured[moment].items()} for moment in ("after_step", "between_micro_batches")}
@@ -371,7 +376,7 @@ def plot(rows, out):
     finish(figure, "Memory per rank", "memory.png")
 
 
-def parse_arguments():
+def parse_arguments(argv=None):
     parser = Parser(__doc__.split("\n\n")[0])
     parser.add("quick", action="store_true",
                help=f"{QUICK_STEPS} steps of the runs the targets compare, once each, for {QUICK_BLOCKS} "
@@ -379,15 +384,36 @@ def parse_arguments():
     parser.add("model", default=str(DEMO_DIR / "model"), help="the built-in model (the wide-vocab one is made from it)")
     parser.add("data_dir", default=str(DEMO_DIR / "data"))
     parser.add("runs_dir", default=str(REPO / "runs" / "benchmark"), help="one output folder per configuration")
-    parser.add("out", default=str(REPO / "benchmark"), help="where results.md/.json and the plots go")
+    parser.add("out", default=None, help="where results.md/.json and the plots go (default: --runs_dir; `--out "
+               "benchmark --overwrite` updates the figures the README shows)")
+    parser.add("overwrite", action="store_true",
+               help="replace the results in --out and the runs in --runs_dir of an earlier benchmark")
     parser.add("timeout", type=int, default=600, help="seconds one configuration may take")
-    return parser.parse_args()
+    args = parser.parse_args(argv)
+    args.out = args.runs_dir if args.out is None else args.out
+    return args
+
+
+RESULTS = ("results.md", "results.json", "tokens_per_s.png", "memory.png")
+
+
+def check_outputs(args):
+    """An earlier benchmark's results in --out, or anything in --runs_dir (its runs, the wide-vocab
+    model, the bytes measured), are replaced only with --overwrite: refused before anything runs."""
+    found = [Path(args.out) / name for name in RESULTS if (Path(args.out) / name).exists()]
+    if Path(args.runs_dir).is_dir():
+        found += sorted(Path(args.runs_dir).iterdir())
+    if found and not args.overwrite:
+        more = f" and {len(found) - 1} more" if len(found) > 1 else ""
+        raise UserError(f"{found[0]}{more} exist already (an earlier benchmark's): pass --overwrite to replace them, "
+                        "or choose another --out and --runs_dir")
 
 
 def main():
     args = parse_arguments()
     if not (Path(args.model) / "config.json").is_file() or not (Path(args.data_dir) / "train.jsonl").is_file():
         raise UserError(f"no model in {args.model} or no train.jsonl in {args.data_dir}: run `{DEMO_DOWNLOAD}` first")
+    check_outputs(args)
     steps = QUICK_STEPS if args.quick else FULL_STEPS
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -502,8 +528,11 @@ def measure_process():
 
     parser = Parser("One rank of benchmark/run.py's bytes measurement (under torchrun)")
     parser.add("model", default=str(DEMO_DIR / "model"))
-    parser.add("out", required=True, help="JSON file to write (rank 0)")
+    parser.add("out", required=True, help="JSON file to write (rank 0): a new one, unless --overwrite")
+    parser.add("overwrite", action="store_true", help="replace --out if it exists")
     args = parser.parse_args()
+    if Path(args.out).exists() and not args.overwrite:
+        raise UserError(f"--out {args.out} exists already: pass --overwrite to replace it, or choose another --out")
     dist.init_process_group("gloo")
     world_size = dist.get_world_size()
     fsdp, lora = load_step("fsdp"), load_step("lora")

@@ -11,13 +11,15 @@ backward: how much memory does it save, and what does it cost, at each batch siz
 
 Each run is 04_fsdp/train.py on the demo model and data by default, --steps optimiser steps of
 batch_size_per_device × ranks rows (no gradient accumulation), with and without
---gradient_checkpointing, in its own folder under --out (deleted first). Locally the runs go one
+--gradient_checkpointing, in its own folder under --out. Locally the runs go one
 after another, and a setting stops doubling when its run fails with CUDA out of memory or
 reaches --max_batch_size (the CPU swaps instead of failing). On Slurm every (batch size,
 checkpointing) pair up to --max_batch_size is one task of a single job array, launched as
 submit.py launches a job; `--collect` then reads the finished runs. Figures come from each run's
 metrics.jsonl, step 1 (warm-up) left out. Writes sweep.md, sweep.json and sweep.png into --out.
-The sweep keeps figures, not weights: an ended run's checkpoints/ and final/ are deleted.
+The sweep keeps figures, not weights: an ended run's checkpoints/ and final/ are deleted. An --out
+that holds an earlier sweep (its sweep.json or a run's folder) is refused before anything runs or is
+submitted; --overwrite replaces it.
 """
 import argparse
 import json
@@ -33,7 +35,7 @@ from pathlib import Path
 
 
 from common.arguments import DEMO_DIR, REPO, Parser, at_least
-from common.errors import UserError, exit_on_user_error
+from common.errors import UserError, exit_on_user_error, first_line
 from common.run_dir import RunDir
 import submit
 from benchmark import run as benchmark_run
@@ -79,15 +81,27 @@ def training_arguments(args, run, ranks):
             "--eval_games", str(ranks), *(["--gradient_checkpointing"] if run["gradient_checkpointing"] else [])]
 
 
+def read_records(output_dir):
+    """metrics.jsonl's records; a line cut short (a killed task) is left out."""
+    path = RunDir(output_dir).metrics
+    records = []
+    for line in (path.read_text(errors="replace").splitlines() if path.is_file() else []):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return [r for r in records if isinstance(r, dict) and all(k in r for k in ("step_time_s", "tokens", "world_size"))]
+
+
 def read_run(run):
     """The run's status and figures, from its folder and logs: finished (summary.json), out of
     memory (its logs say so), or no result yet."""
     output_dir = Path(run["output_dir"])
     logs = "".join(Path(log).read_text(errors="replace") for log in run["logs"] if Path(log).is_file())
-    if not RunDir(output_dir).summary.is_file():
+    records = read_records(output_dir)
+    if not RunDir(output_dir).summary.is_file() or len(records) < 2:
         run["status"] = "out of memory" if out_of_memory(logs) else f"no result (see {run['logs'][0]})"
         return run
-    records = [json.loads(line) for line in RunDir(output_dir).metrics.read_text().splitlines()]
     timed = records[1:]  # step 1 warms up (allocator, first collectives)
     seconds, last = sum(r["step_time_s"] for r in timed), records[-1]
     tokens_per_s = sum(r["tokens"] for r in timed) / seconds
@@ -118,6 +132,7 @@ def run_locally(args):
     machine = f"{os.cpu_count()} CPU cores, {platform.machine()}" + (
         f", {torch.cuda.device_count()} × {torch.cuda.get_device_name(0)}" if on_gpu else "")
     check_training_arguments("fsdp", training_arguments(args, planned_run(args.out, 1, False), nproc))
+    check_out(args)
     results = {**describe(args, nproc, machine), "load_average_before": load_average()}
     launch = benchmark_run.launch
     out_of_memory_at = {}  # checkpointing setting -> the batch size that ran out
@@ -170,6 +185,8 @@ def submit_array(args):
             for checkpointing in (False, True)]
     for run in runs:
         check_training_arguments("fsdp", training_arguments(args, run, ranks))  # before anything is queued
+    if not args.dry_run:  # a dry run writes and deletes nothing
+        check_out(args)
     if not args.dry_run and shutil.which("sbatch") is None:
         raise UserError("no Slurm here (sbatch not found): run this on the cluster's login node, or add --dry-run")
 
@@ -301,14 +318,40 @@ def write_results(results, out):
     print(f"wrote {out / 'sweep.md'}, sweep.json and sweep.png")
 
 
+# What --collect needs of sweep.json (describe() writes them, and a planned run per task).
+DESCRIBED = ("command", "date", "machine", "torch", "model", "parameters", "ranks", "steps", "max_seq_length", "runs")
+PLANNED = ("batch_size_per_device", "gradient_checkpointing", "output_dir", "logs")
+
+
 def collect(folder):
     path = Path(folder) / "sweep.json"
     if not path.is_file():
         raise UserError(f"no sweep.json in {folder}: --collect reads the --out folder of a sweep")
-    results = json.loads(path.read_text())
+    try:
+        results = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        results, why = None, first_line(err)
+    else:
+        why = "it lacks what a sweep writes into it"
+    if not (isinstance(results, dict) and all(key in results for key in DESCRIBED) and isinstance(results["runs"], list)
+            and all(isinstance(run, dict) and all(key in run for key in PLANNED) and run["logs"]
+                    for run in results["runs"])):
+        raise UserError(f"{path} is damaged ({why}): it is written as a sweep is submitted (or, locally, ends); run "
+                        "the sweep again with --overwrite") from None
     for run in results["runs"]:
         drop_weights(read_run(run))
     return results
+
+
+def check_out(args):
+    """An earlier sweep in --out (its sweep.json, a run's folder) is replaced only with --overwrite:
+    its runs' folders are deleted before the new runs start (stale figures must not pass for theirs)."""
+    out = Path(args.out)
+    earlier = [out / "sweep.json"] + sorted(out.glob("batch*")) if out.is_dir() else []
+    earlier = [path for path in earlier if path.exists()]
+    if earlier and not args.overwrite:
+        raise UserError(f"--out {out} holds an earlier sweep ({earlier[0].name}): pass --overwrite to replace it, "
+                        "or choose another --out")
 
 
 def parse_arguments():
@@ -331,6 +374,7 @@ def parse_arguments():
     parser.add("cpus_per_task", type=at_least(1), help="--slurm: CPUs per node (default: 8 per GPU)")
     parser.add("mem_gb", type=at_least(1), help="--slurm: memory per node in GB (default: the cluster's default)")
     parser.add("dry_run", action="store_true", help="--slurm: print the array's sbatch script; submit nothing")
+    parser.add("overwrite", action="store_true", help="replace the sweep in --out (its runs, table and plot)")
     parser.add("collect", metavar="DIR", help="write the table and plot of the sweep that ran into DIR (its --out)")
     args = parser.parse_args()
     given = [name for name, value in vars(args).items() if value != parser.get_default(name)]

@@ -20,6 +20,7 @@ DEMO_DIR = REPO / "demo"
 # Rank 0 reads CodeLlama-7b's 27 GB (or writes step 3's 81 GB checkpoint) while the others wait:
 # an hour covers that at 25 MB/s, the speed of a busy shared file system.
 COLLECTIVE_TIMEOUT_S = 3600
+MAX_COLLECTIVE_TIMEOUT_S = 7 * 24 * 3600
 
 
 class Parser(argparse.ArgumentParser):
@@ -169,8 +170,12 @@ def check_arguments(args):
         raise UserError(f"--seed must be between 0 and 2**32 - 1 (got {args.seed})")
     if args.eval_every < 0 or args.save_every < 0:
         raise UserError("--eval_every and --save_every must be 0 (only at the end) or positive")
-    if args.collective_timeout < 1:
-        raise UserError(f"--collective_timeout must be at least 1 second (got {args.collective_timeout})")
+    if not 1 <= args.collective_timeout <= MAX_COLLECTIVE_TIMEOUT_S:  # beyond, timers overflow (watchdog, c10d)
+        raise UserError(f"--collective_timeout must be from 1 second to a week, {MAX_COLLECTIVE_TIMEOUT_S} (got "
+                        f"{args.collective_timeout})")
+    if args.profile_steps and args.profile_steps[1] > args.max_steps:
+        raise UserError(f"--profile_steps {args.profile_steps[0]}-{args.profile_steps[1]} reaches past --max_steps "
+                        f"{args.max_steps}: profile steps of the run, from 1 to {args.max_steps}")
     if args.resume and args.overwrite:
         raise UserError("--resume continues the run in --output_dir, --overwrite replaces it: choose one")
     args.report_to = parse_report_to(args.report_to)

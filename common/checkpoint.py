@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from common.errors import UserError, first_line
+from common.errors import UserError, first_line, say
 
 TRAIN_STATE = "train_state.pt"  # step, LR schedule, RNG: small, written by one rank
 
@@ -39,8 +39,8 @@ def load_newest(run_dir, load):
         except (OSError, RuntimeError, ValueError, KeyError, EOFError, pickle.UnpicklingError,
                 *dcp_errors()) as err:
             reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
-            print(f"warning: checkpoint {path} is unreadable ({reason}): falling back to the previous one",
-                  file=sys.stderr, flush=True)
+            say(f"warning: checkpoint {path} is unreadable ({reason}): falling back to the previous one",
+                file=sys.stderr)
     if checkpoints:
         raise UserError(f"none of the {len(checkpoints)} complete checkpoints in {run_dir.checkpoints_dir} can "
                         "be read by this run (see the warnings above): if the files are damaged, restore them from "

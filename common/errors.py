@@ -9,6 +9,22 @@ class UserError(Exception):
     """A problem the user can fix: bad paths, bad arguments, bad data. Printed as one line."""
 
 
+def say(line, file=None):
+    """Print an `error:`, `warning:` or `preempted:` line (on `file`, stdout by default, as
+    tqdm.write) so that it starts a line of its own, also after a progress bar. A bar is text with
+    no line break after it, redrawn in place: in a log file (Slurm's .out, a redirected run) and on
+    a terminal the line would follow it, where `grep '^error:'` (and a reader) misses it. So while
+    a bar is drawn the line goes below it, and the bar, as it was, stays above (it is redrawn below
+    if the run goes on). Another rank's bar, on the job's shared output, cannot be seen from here:
+    a rank other than 0 always starts a new line."""
+    from tqdm import tqdm
+    file = sys.stdout if file is None else file
+    with tqdm.get_lock():
+        drawn = any(hasattr(bar, "start_t") and not bar.disable for bar in list(getattr(tqdm, "_instances", [])))
+        file.write(("\n" if drawn or os.environ.get("RANK", "0") != "0" else "") + line + "\n")
+        file.flush()
+
+
 def first_line(err):
     """The first line of an exception's message (at most 300 characters), for a one-line error."""
     text = str(err).strip()
@@ -47,12 +63,12 @@ def exit_on_user_error(main):
         result = main()
     except UserError as err:
         if speaks:
-            print(f"error: {err}", file=sys.stderr, flush=True)
+            say(f"error: {err}", file=sys.stderr)
         leave_after_user_error(speaks)
     except KeyboardInterrupt:
         if speaks:
             note = _where_to_continue() if _where_to_continue else "nothing was saved"
-            print(f"interrupted: {note}", file=sys.stderr, flush=True)
+            say(f"interrupted: {note}", file=sys.stderr)
         sys.exit(130)
     except BrokenPipeError:  # the reader of our output went away (`| head`): end quietly, as Unix tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error while Python flushes
@@ -63,8 +79,8 @@ def exit_on_user_error(main):
         # Another rank ended first (an error, a kill), and this one learnt it from a collective that
         # failed, or from torchrun's SIGTERM: the rank that ended says why; no traceback here.
         first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
-        print(f"stopped: rank {os.environ.get('RANK', 0)} lost another rank of the job ({first})",
-              file=sys.stderr, flush=True)
+        say(f"stopped: rank {os.environ.get('RANK', 0)} lost another rank of the job ({first})",
+            file=sys.stderr)
         sys.exit(128 + _stop_signal if _stop_signal else 1)
     if LAUNCHED_BY_TORCHRUN:
         leave_after_success()

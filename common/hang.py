@@ -36,7 +36,8 @@ from pathlib import Path
 import psutil
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
+
+from common.errors import say
 
 HANG_EXIT = 3  # launch/torchrun.py: the rank has said why in one line
 RECORD_WAIT_S = 5  # how long the first rank to report waits for the others' records
@@ -101,9 +102,8 @@ class Watchdog:
         write_flight_recorder(self.folder / f"flight_recorder_rank{self.rank}")
         records = self.exchange({"where": where, "doing": doing, "issued": issued_collectives()})
         if self.rank == min(records):
-            tqdm.write(f"error: {describe(records, self.world_size, self.timeout_s)}; every rank's stacks are in "
-                       f"{self.folder}/: raise --collective_timeout if this wait was legitimate", file=sys.stderr)
-            sys.stderr.flush()
+            say(f"error: {describe(records, self.world_size, self.timeout_s)}; every rank's stacks are in "
+                f"{self.folder}/: raise --collective_timeout if this wait was legitimate", file=sys.stderr)
             self.store_set("hang/said", "1")
         else:  # the rank that speaks first: a rank that ends ends the others' collectives, with tracebacks
             self.store_wait("hang/said")

@@ -10,13 +10,37 @@ from pathlib import Path
 import torch
 
 from common.errors import UserError, first_line
+from common.run_dir import STEP_PREFIX, RunDir, is_complete
 
 DEMO_DOWNLOAD = "python 01_download/download.py --demo --out demo"
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "demo" / "model"
 
 
+def not_a_model(folder):
+    """What a folder that is not a model is, and where its model is, if it is one of the kit's: a
+    run's folder, a checkpoint, LoRA adapters. None for anything else."""
+    folder = Path(folder)
+    if (folder / "adapter_config.json").is_file():
+        return (f"{folder} holds LoRA adapters (05_lora's final/ or checkpoint), not a whole model: pass the base "
+                "model the run trained (run.json's model) as --model; the adapters load over it with "
+                "peft.PeftModel.from_pretrained")
+    run = RunDir(folder)
+    if run.run_file.is_file() or run.metrics.is_file() or run.checkpoints_dir.is_dir():
+        if (run.final / "config.json").is_file():
+            return f"{folder} is a run's folder: its model is {run.final}"
+        return (f"{folder} is a run's folder, without a final model yet: continue the run with --resume to write "
+                f"{run.final}, or export one of its checkpoints of step 4 with tools/export.py")
+    if is_complete(folder) or folder.name.startswith(STEP_PREFIX):
+        return (f"{folder} is a training checkpoint, not a Hugging Face model: use the run's final/ folder, or export "
+                f"a checkpoint of step 4 with `python tools/export.py {folder} OUT_DIR`")
+    return None
+
+
 def model_missing_message(name, err):
-    """What to do about a model that does not load: download it, or download it again."""
+    """What to do about a model that does not load: download it, or download it again; or, for a
+    folder of the kit that is not a model, where its model is."""
+    if Path(name).is_dir() and not_a_model(name):
+        return not_a_model(name)
     if Path(name).is_dir():  # there, but a file in it is missing or damaged
         return (f"cannot load the model at {name} ({first_line(err)}): re-run the download step "
                 f"(`{DEMO_DOWNLOAD}` for the demo model) if its files are damaged")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from common import errors, lock
 from common.errors import UserError
+from common.notation import CONFIG_KEY
 from common.run_dir import RunDir, new_run_id
 
 # The inputs a run reads from disk: --overwrite must not delete them with the old run.
@@ -142,6 +143,7 @@ def run_settings(args, checkpoints, config, train_rows, **extra):
             "weight_decay": args.weight_decay, "max_grad_norm": args.max_grad_norm, "max_steps": args.max_steps,
             # recorded only for Muon, so that the runs of before --optimizer still continue
             **({"optimizer": args.optimizer} if args.optimizer != "adamw" else {}),
+            "notation": getattr(config, CONFIG_KEY, None),  # a run's --notation (also in model_config)
             **extra}
 
 
@@ -162,7 +164,12 @@ def as_compared(settings):
 def check_same_run(recorded, settings, path):
     """Refuse --resume with settings that would make it another run; allow a longer run."""
     then, now = as_compared(recorded), as_compared(settings)
+    if "notation" not in then:  # a run of before the notation was recorded: model_config covers it
+        now.pop("notation", None)
     different = [key for key in sorted(set(then) | set(now)) if key not in MAY_GROW and then.get(key) != now.get(key)]
+    if "notation" in different:
+        raise UserError(f"the run in {path} trains in the {then['notation']} notation, not {now['notation']}: pass "
+                        f"--notation {then['notation']} to continue it, or start a new run in another --output_dir")
     if "model_config" in different:
         raise UserError(f"--model {now['model']} is not the model the run in {path} started from (its "
                         f"config.json differs from {then['model']}'s then): its checkpoints belong to that "

@@ -571,6 +571,14 @@ def prepared_rows(data_dir, split, tokenizer, max_seq_length, pack, cache_dir=No
     processes may call this at once (ranks, nodes): one prepares, the others wait for it and then read."""
     kind, files = source_files(data_dir, split)
     cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    try:  # a cache that cannot be written (a read-only HF_HOME) is said first, with what to do
+        cache.mkdir(parents=True, exist_ok=True)
+        probe = cache / f".write-test-{socket.gethostname()}-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as err:
+        raise UserError(f"cannot write the prepared data to {cache} ({err.strerror}): set --prepared_dir (or "
+                        "HF_DATASETS_CACHE) to a folder you can write; the default is under HF_HOME") from None
     try:
         key = cache_key(kind, files, tokenizer, max_seq_length, pack, notation, cache)
         folder = cache / key

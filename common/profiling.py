@@ -9,7 +9,12 @@ collectives' operations: all-gather, reduce-scatter, all-reduce, broadcast), the
 (AdamW's step) and the rest, compute. On a GPU the kernels run on their own streams: the trace
 shows whether communication overlaps compute (NCCL kernels beside compute kernels), which the
 host's time cannot say.
+
+--profile_steps must lie within --max_steps (common/arguments.py). A run that ends before the last
+profiled step (stopped by a signal, or failed) stops the profiler as Python exits and writes the
+steps it recorded: a profiler left running then crashed the interpreter (SIGSEGV).
 """
+import atexit
 import re
 from pathlib import Path
 
@@ -29,7 +34,12 @@ class StepProfiler:
         """`steps`: --profile_steps (first, last) or None; `folder`: OUTPUT_DIR/profile; `start_step`:
         the steps already taken (a resumed run profiles what is left of the range)."""
         self.profiler = None
-        if steps is None or steps[1] <= start_step:
+        if steps is None:
+            return
+        if steps[1] <= start_step:
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                print(f"note: --profile_steps {steps[0]}-{steps[1]}: this run resumes after step {start_step}, past "
+                      "them: nothing is profiled", flush=True)
             return
         first, last = max(steps[0], start_step + 1), steps[1]
         self.folder, self.rank = Path(folder), dist.get_rank() if dist.is_initialized() else 0
@@ -48,6 +58,7 @@ class StepProfiler:
         self.profiler.current_action = action(self.profiler.step_num)
         self.profiler.start()
         self.remaining = last - start_step
+        atexit.register(self.close)  # a run that ends before `last`
 
     def step(self):
         if self.profiler is None:
@@ -55,8 +66,13 @@ class StepProfiler:
         self.profiler.step()
         self.remaining -= 1
         if self.remaining == 0:
-            self.profiler.stop()
-            self.profiler = None
+            self.close()
+
+    def close(self):
+        """Stop the profiler (once); in the middle of the range it writes the steps recorded so far."""
+        profiler, self.profiler = self.profiler, None
+        if profiler is not None:
+            profiler.stop()
 
     def write(self, profiler):
         self.folder.mkdir(parents=True, exist_ok=True)

@@ -199,3 +199,42 @@ def test_shipped_config_is_codellama_7b():
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     assert sum(p.numel() for p in model.parameters()) == 6_738_546_688
+
+
+# ---- issue 36, case 3 and its kin: an earlier benchmark's files are replaced only with --overwrite ------
+
+@pytest.mark.quick
+def test_the_default_out_is_not_the_repository_s_figures():
+    """`run.py --quick` wrote over benchmark/results.md, results.json and the plots with a 3-step run."""
+    args = benchmark_run.parse_arguments(["--quick"])
+    assert Path(args.out) == Path(args.runs_dir) == REPO / "runs" / "benchmark"
+    assert benchmark_run.parse_arguments(["--out", "benchmark"]).out == "benchmark"
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("earlier", ["results.json", "runs/wide_vocab_model/config.json"])
+def test_an_earlier_benchmark_is_refused_before_anything_runs(demo, tmp_path, earlier):
+    (tmp_path / earlier).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / earlier).write_text("mine")
+    result = run_script("benchmark/run.py", "--quick", "--model", demo / "model", "--data_dir", demo / "data",
+                        "--runs_dir", tmp_path / "runs", "--out", tmp_path)
+    assert result.returncode == 2 and result.stdout == "", result.stderr[-2000:]
+    assert result.stderr.startswith(f"error: {tmp_path / earlier.split('/config')[0]}") and result.stderr.count(
+        "\n") == 1 and "pass --overwrite to replace them" in result.stderr
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()) == [earlier]
+
+
+def test_the_bytes_measurement_and_the_trainer_baseline_keep_what_exists(demo, tmp_path):
+    """The kin: run.py's own bytes mode under torchrun (--out FILE) and hf_trainer_fsdp.py's run folder."""
+    (tmp_path / "bytes.json").write_text("mine")
+    bytes_mode = subprocess.run([sys.executable, str(REPO / "benchmark/run.py"), "--model", str(demo / "model"),
+                                 "--out", str(tmp_path / "bytes.json")], capture_output=True, text=True, timeout=120,
+                                cwd=REPO, env={**os.environ, "RANK": "0"})  # RANK: as under torchrun
+    assert bytes_mode.returncode == 2 and bytes_mode.stderr == (
+        f"error: --out {tmp_path / 'bytes.json'} exists already: pass --overwrite to replace it, or choose another "
+        "--out\n"), bytes_mode.stderr[-2000:]
+    (tmp_path / "hf/summary.json").parent.mkdir()
+    (tmp_path / "hf/summary.json").write_text("mine")
+    trainer = run_script("benchmark/hf_trainer_fsdp.py", "--output_dir", tmp_path / "hf")
+    assert trainer.returncode == 2 and trainer.stderr.startswith(f"error: {tmp_path / 'hf'} already holds a run")
+    assert (tmp_path / "bytes.json").read_text() == (tmp_path / "hf/summary.json").read_text() == "mine"

@@ -7,6 +7,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from conftest import QUICK, REPO, read_metrics, run_step
 
 
@@ -52,3 +54,18 @@ def test_random_weights_need_only_the_config(demo, tmp_path):
     # Run by itself, the step refuses the same folder: there are no weights to load.
     result = run_step("fsdp", args(tmp_path / "refused") + ["--max_steps", 1], nproc=1, check=False)
     assert result.returncode != 0 and f"error: cannot load the model at {config_only}" in result.stderr
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("option, value, says", [
+    ("--hidden_size", 32, "--hidden_size must be at least 64 (got 32)"),  # was a ZeroDivisionError
+    ("--hidden_size", 100, "--hidden_size 100: the random Llama has heads of 64"),
+    ("--ranks", 0, "--ranks must be at least 1 (got 0)"),  # was an AssertionError
+    ("--layers", 0, "--layers must be at least 1 (got 0)"),  # was measured, a model of no layer
+])
+def test_bad_options_are_one_error_line(option, value, says):
+    """Issue 36: a bad option of a tool is one error line before any work, not a traceback."""
+    done = subprocess.run([sys.executable, str(REPO / "tools/measure_loading.py"), option, str(value)],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 2 and done.stdout == "" and done.stderr.startswith(f"error: {says}"), done.stderr[-2000:]
+    assert done.stderr.count("\n") == 1

@@ -102,3 +102,89 @@ def test_counts_out_of_range_are_one_error_line(tmp_path, option, value, least):
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr == f"error: {option} must be at least {least} (got {value}) (see --help)\n", result.stderr
     assert not (tmp_path / "out").exists()
+
+
+# ---- issue 36: nothing a user wrote is lost; options as given ---------------------------------------------
+
+def learn_chess(*args):
+    return subprocess.run([sys.executable, str(REPO / "benchmark/learn_chess.py"), *map(str, args)],
+                          capture_output=True, text=True, timeout=120, cwd=REPO,
+                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"})
+
+
+def snapshot(folder):
+    return {path.relative_to(folder): path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+def test_a_second_run_into_the_same_out_is_refused(quick_run):
+    """Case 1: the same command again (any options) replaced the first run: a new run id, final/
+    rewritten, a user's file in run/final/ deleted, legal_moves.json replaced. Now one line, and
+    nothing changes."""
+    out, _ = quick_run
+    (out / "run/final/my_notes.txt").write_text("kept")
+    before = snapshot(out)
+    result = learn_chess("--quick", "--nproc", 1, "--out", out)
+    assert result.returncode == 2 and result.stdout == "", result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.stderr == (f"error: --out {out} holds a learning run already: pass --overwrite to replace it (its "
+                             "model, data, run and results), or choose another --out\n")
+    assert snapshot(out) == before
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
+def test_an_out_folder_that_is_not_a_learning_run_is_never_written(demo, tmp_path, overwrite):
+    """Case 2: --out a copy of demo/: its data/train.jsonl was cut from 2,777 to 300 games, exit 0."""
+    import shutil
+    out = tmp_path / "copy"
+    shutil.copytree(demo, out)
+    before = snapshot(out)
+    result = learn_chess("--quick", "--out", out, *overwrite)
+    assert result.returncode == 2 and result.stdout == "", result.stderr
+    assert result.stderr.startswith(f"error: --out {out} is not empty and holds no learning run (data, model)")
+    assert result.stderr.count("\n") == 1 and snapshot(out) == before
+
+
+@pytest.mark.quick
+def test_overwrite_deletes_the_learning_run_s_own_files_only(tmp_path, monkeypatch):
+    """--overwrite: the earlier run's model, data, run and results go; a user's file beside them and
+    the prepared games (a cache by content) stay; the new run is recorded before anything is built."""
+    from benchmark import learn_chess
+    out = tmp_path / "out"
+    for name in ("model/config.json", "data/train.jsonl", "run/final/model.safetensors", "prepared/x/rows.arrow"):
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text("old")
+    for name in ("train.log", "legal_moves.json", "legal_moves.md", "legal_moves.png", "notes.txt"):
+        (out / name).write_text("old")
+    with pytest.raises(learn_chess.UserError, match="holds a learning run already"):
+        learn_chess.take_out_folder(learn_chess.parse_arguments(["--out", str(out)]))
+    monkeypatch.setattr(sys, "argv", ["benchmark/learn_chess.py", "--out", str(out), "--overwrite"])
+    learn_chess.take_out_folder(learn_chess.parse_arguments(sys.argv[1:]))
+    assert sorted(path.name for path in out.iterdir()) == ["learn_chess.json", "notes.txt", "prepared"]
+    assert (out / "prepared/x/rows.arrow").read_text() == "old"
+    assert "--overwrite" in json.loads((out / "learn_chess.json").read_text())["command"]
+
+
+@pytest.mark.quick
+def test_quick_gives_way_to_the_options_given_with_it():
+    """Case 14: --quick silently replaced an explicit --max_steps, --held_out and --eval_games (and
+    the report named the command as if they had been used); it has its own default --out."""
+    from benchmark import learn_chess
+    args = learn_chess.parse_arguments(["--quick", "--max_steps", "9", "--held_out", "30", "--eval_games", "5"])
+    assert (args.max_steps, args.held_out, args.eval_games) == (9, 30, 5)
+    assert (args.train_games, args.eval_every, args.total_batch_size) == (300, 3, 4)  # the rest: --quick's
+    assert args.out == str(REPO / "runs/learn_chess_quick")
+    assert learn_chess.parse_arguments([]).out == str(REPO / "runs/learn_chess")
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("options, says", [
+    (["--hidden", "10"], "--hidden 10: the model's 4 heads need a hidden size that is a multiple of 8"),
+    (["--hidden", "12"], "--hidden 12: the model's 4 heads need a hidden size that is a multiple of 8"),
+    (["--learn_games", "01_download"], "--learn_games 01_download is a folder: it takes a Parquet file of games"),
+    (["--out", "README.md"], "--out README.md is a file"),
+])
+def test_bad_options_are_one_line_before_any_work(tmp_path, options, says):
+    result = learn_chess(*([] if "--out" in options else ["--out", tmp_path / "out"]), *options)
+    assert result.returncode == 2 and result.stdout == "", result.stderr
+    assert result.stderr.startswith(f"error: {says}") and result.stderr.count("\n") == 1, result.stderr
+    assert not (tmp_path / "out").exists()

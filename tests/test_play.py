@@ -148,7 +148,8 @@ def test_uci_games_of_the_built_in_model(demo):
 
 def test_uci_game_of_a_sub_word_model(sub_word_model, tmp_path):
     """The bigram model's moves as written while legal (e2e4, g1f3), its fallbacks after; and only
-    protocol on stdout, a position that is not from the start refused politely."""
+    protocol on stdout. A position that is not from the start gets a legal move too, with a word on
+    what the model reads (issue 36, case 6)."""
     after_e4 = "rnbqkbnr/pppppppp/8/8/4P3/8/PPPP1PPP/RNBQKBNR b KQkq - 0 1"
     commands = ["uci", "isready", "ucinewgame", f"position fen {after_e4}", "go depth 3",
                 f"position fen {chess.STARTING_FEN} moves e2e4 e7e5", "go movetime 100", "stop",
@@ -166,11 +167,14 @@ def test_uci_game_of_a_sub_word_model(sub_word_model, tmp_path):
     assert [m.uci() for m in board.move_stack[0:4:2]] == ["e2e4", "g1f3"] and notes[:2] == [None, None]
     assert notes[2] == "illegal attempt: g1f3 (playing the legal move the model scores highest)"
     assert all(note is not None for note in notes[2:])
-    assert stdout.splitlines()[:-1] == [
+    lines = stdout.splitlines()
+    assert lines[6].startswith("bestmove ") and chess.Move.from_uci(lines[6].split()[1]) in chess.Board(
+        after_e4).legal_moves
+    assert lines[:6] + lines[7:-1] == [
         f"id name chess-kit {sub_word_model}", "id author chess-kit play.py", "uciok", "readyok",
-        "info string this engine plays only games from the start position (the model reads the whole game): "
-        "send `position startpos moves ...`",
-        "info string no position to play from", "bestmove (none)",
+        "info string the game before this position is unknown: the model reads only the moves played since, as if "
+        "the game had started there (send `position startpos moves ...` for the whole game)",
+        "info string illegal attempt: e2e4 (playing the legal move the model scores highest)",  # white's first
         "bestmove g1f3",
         "readyok", "info string illegal attempt: g1f3 (playing the legal move the model scores highest)"]
     assert re.fullmatch(r"bestmove [a-h][1-8][a-h][1-8]", last_line := stdout.splitlines()[-1]), last_line
@@ -239,3 +243,249 @@ def test_one_pass_scores_each_legal_move_as_its_own_pass_would(demo):
         alone = sum(float(log_probs[len(prompt) - 1 + i, token]) for i, token in enumerate(tail))
         assert abs(score - alone) < 1e-4
     assert player.greedy(prompt)[0] == written
+
+
+# ---- issue 36: the UCI engine survives every line a GUI sends, and answers every go ------------------------
+
+FOOLS_MATE = "rnb1kbnr/pppp1ppp/8/4p3/6Pq/5P2/PPPPP2P/RNBQKBNR w KQkq - 1 3"  # white is mated
+STALEMATE = "7k/5Q2/6K1/8/8/8/8/8 b - - 0 1"
+AFTER_E4 = "rnbqkbnr/pppppppp/8/8/4P3/8/PPPP1PPP/RNBQKBNR b KQkq - 0 1"  # as python-chess sends it
+
+
+def board_of(fen=chess.STARTING_FEN, moves=()):
+    board = chess.Board(fen)
+    for move in moves:
+        board.push_uci(move)
+    return board
+
+
+def test_uci_answers_every_go_a_gui_sends(demo):
+    """Cases 6-8: a FEN with or without the game before it, null moves, searchmoves, checkmate and
+    stalemate, positions that cannot be set up, options and noise: every `go` gets exactly one
+    bestmove, a legal move of the position (of the searchmoves, if any) or 0000 where there is
+    none; the engine lives on to `quit`."""
+    unknown = "info string the game before this position is unknown"
+    # (position command, go command, the board the answer must be legal on (None: bestmove 0000), note expected)
+    cases = [
+        (f"position fen {AFTER_E4}", "go depth 3", board_of(AFTER_E4), True),
+        ("position startpos moves 0000", "go", board_of(moves=["0000"]), True),
+        ("position startpos moves e2e4 0000", "go wtime 1000 btime 1000", board_of(moves=["e2e4", "0000"]), True),
+        ("position startpos moves e2e4", "go searchmoves e7e5 d7d5 movetime 50", board_of(moves=["e2e4"]), False),
+        (f"position fen {chess.STARTING_FEN} moves e2e4 e7e5", "go searchmoves d2d4 b1c3",
+         board_of(moves=["e2e4", "e7e5"]), False),
+        ("position startpos moves e2e4 e7e5", "go searchmoves e2e4 a1a8", board_of(moves=["e2e4", "e7e5"]), False),
+        # the position the last game reached, as a FEN: the game before it is known
+        (f"position fen {board_of(moves=['e2e4', 'e7e5']).fen()} moves g1f3", "go",
+         board_of(moves=["e2e4", "e7e5", "g1f3"]), False),
+        (f"position fen {FOOLS_MATE}", "go", None, True),
+        (f"position fen {STALEMATE}", "go infinite", None, True),
+        ("position startpos moves e2e5", "go", None, False),
+        ("position fen not a fen", "go", None, False),
+        ("position", "go", None, False),
+        ("position fen 8/8/8/8/8/8/8/8 w - - 0 1", "go", None, False),  # no kings
+    ]
+    searchmoves = {3: {"e7e5", "d7d5"}, 4: {"d2d4", "b1c3"}}
+    commands = ["uci", "debug on", "setoption name Hash value 16", "", "isready", "ucinewgame"]
+    for position, go, _, _ in cases:
+        commands += [position, go] + (["stop"] if "infinite" in go else [])
+    commands += ["register later", "\x00\x01", "isready", "quit"]
+    engine = subprocess.Popen([sys.executable, PLAY, "--model", str(demo / "model"), "--uci"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=REPO)
+    stdout, stderr = engine.communicate("\n".join(commands) + "\n", timeout=180)
+    assert engine.returncode == 0 and "Traceback" not in stderr, stderr[-3000:]
+    lines = stdout.splitlines()
+    assert lines[:4] == [f"id name chess-kit {demo / 'model'}", "id author chess-kit play.py", "uciok", "readyok"]
+    assert lines[-1] == "readyok"
+    answers, notes = [], []
+    for line in lines[4:-1]:
+        notes.append(line)
+        if line.startswith("bestmove "):
+            answers.append((line.split()[1], notes))
+            notes = []
+    assert len(answers) == len(cases), lines
+    for number, ((position, go, board, note), (answer, said)) in enumerate(zip(cases, answers)):
+        if board is None:
+            assert answer == "0000", (position, answer)
+        else:
+            assert chess.Move.from_uci(answer) in board.legal_moves, (position, answer)
+            assert answer in searchmoves.get(number, {answer}), (go, answer)
+        assert any(line.startswith(unknown) for line in said) == note, (position, said)
+    assert "searchmoves: none of e2e4 a1a8 is legal here" in stdout
+
+
+def test_python_chess_client_plays_from_a_fen_with_null_moves_and_root_moves(sub_word_model):
+    """What a GUI does through python-chess: a board set up from a FEN, a null move pushed, the
+    moves to choose from restricted (sent as searchmoves)."""
+    engine = uci_engine(sub_word_model)
+    try:
+        board = chess.Board(AFTER_E4)
+        assert engine.play(board, chess.engine.Limit(time=0.1)).move in board.legal_moves
+        board = chess.Board()
+        board.push_uci("e2e4")
+        board.push(chess.Move.null())
+        assert engine.play(board, chess.engine.Limit(time=0.1)).move in board.legal_moves
+        board = chess.Board()
+        only = [chess.Move.from_uci("a2a3"), chess.Move.from_uci("h2h4")]
+        assert engine.play(board, chess.engine.Limit(time=0.1), root_moves=only).move in only  # e2e4 unless limited
+        assert not engine.play(chess.Board(FOOLS_MATE), chess.engine.Limit(time=0.1)).move  # bestmove 0000: null
+        engine.quit()
+    finally:
+        engine.close()
+
+
+# ---- issue 36: a game's files never replace what exists; bad output options before the game ---------------
+
+def test_an_existing_game_is_kept_and_the_next_goes_beside_it(demo, tmp_path):
+    """Case 4: --pgn PATH where PATH and its GIF exist (the default path on a second game): both are
+    kept, and the game goes to game-2.pgn and game-2.gif; then to game-3.*."""
+    pgn = tmp_path / "game.pgn"
+    pgn.write_text("a user's game\n")
+    pgn.with_suffix(".gif").write_bytes(b"a user's picture")
+    for number in (2, 3):
+        result = play("--model", demo / "model", "--pgn", pgn, "--max_plies", 4)
+        assert result.returncode == 0, result.stderr[-3000:]
+        written = tmp_path / f"game-{number}.pgn"
+        assert f"wrote {written} and {written.with_suffix('.gif')}" in result.stdout
+        assert f"({pgn} exists: kept; this game is in {written})" in result.stdout
+        with written.open() as file:
+            assert chess.pgn.read_game(file).end().board().ply() == 4
+        assert written.with_suffix(".gif").read_bytes()[:6] == b"GIF89a"
+    assert pgn.read_text() == "a user's game\n" and pgn.with_suffix(".gif").read_bytes() == b"a user's picture"
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("options, says", [
+    (["--pgn", "{tmp}/x.gif"], "--pgn {tmp}/x.gif would be overwritten by the game's GIF"),  # case 5
+    (["--gif", "{tmp}/anim"], "--gif '{tmp}/anim': the animation is a GIF file"),  # case 15
+    (["--pgn", ""], "--pgn is empty"),  # case 15
+    (["--pgn", "{tmp}"], "--pgn {tmp} is a folder"),
+    (["--games", "2", "--gif", "{tmp}/a.gif"], "--gif draws one game"),
+    (["--games", "0"], "--games must be at least 1 (got 0)"),
+    (["--max_plies", "0"], "--max_plies must be at least 1 (got 0)"),
+])
+def test_bad_output_options_are_one_line_before_the_game(tmp_path, options, says):
+    """Refused before the model loads: one error line, nothing played, nothing written."""
+    (tmp_path / "x.gif").write_bytes(b"kept")
+    result = play(*[option.format(tmp=tmp_path) for option in options])
+    assert result.returncode == 2 and result.stdout == "", result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.stderr.startswith("error: " + says.format(tmp=tmp_path)) and result.stderr.count("\n") == 1, \
+        result.stderr
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["x.gif"]
+    assert (tmp_path / "x.gif").read_bytes() == b"kept"
+
+
+# ---- issue 35, point 2: games against the random mover, counted ----------------------------------------------
+
+def test_games_against_the_random_mover_are_counted(demo, tmp_path):
+    """--games 4: the colours alternate, a line per game, and the totals add up to the games in the
+    PGN (results, checkmates, the illegal attempts commented on the model's moves)."""
+    pgn = tmp_path / "games.pgn"
+    result = play("--model", demo / "model", "--games", 4, "--max_plies", 40, "--color", "black", "--pgn", pgn)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.strip().splitlines()
+    games = []
+    with pgn.open() as file:
+        while (game := chess.pgn.read_game(file)) is not None:
+            games.append(game)
+    assert len(games) == 4 and not (tmp_path / "games.gif").exists() and "\n. . ." not in result.stdout  # no boards
+    colors = ["black", "white", "black", "white"]
+    wins = draws = losses = mates = attempts = moves = 0
+    for number, (game, color) in enumerate(zip(games, colors), start=1):
+        summary = SUMMARY.match(lines[number - 1].removeprefix(f"game {number} of 4: "))
+        assert summary and summary[4] == color, lines[number - 1]
+        model_is_white = color == "white"
+        assert game.headers["White" if model_is_white else "Black"].startswith(str(demo / "model"))
+        assert game.headers["Result"] == summary[1] and game.headers["Round"] == str(number)
+        board = game.end().board()
+        assert board.ply() == int(summary[3]) <= 40
+        won = summary[1] == ("1-0" if model_is_white else "0-1")
+        wins, draws, losses = wins + won, draws + (summary[1] == "1/2-1/2"), losses + (summary[1] in ("1-0", "0-1")
+                                                                                       and not won)
+        mates += won and board.is_checkmate()
+        commented = sum(node.comment.startswith("illegal attempt") for node in game.mainline())
+        assert commented == int(summary[5])
+        attempts, moves = attempts + commented, moves + int(summary[6])
+    assert lines[4] == f"wrote {pgn}"
+    assert lines[5] == (f"4 games against the random mover (seed 0), the model white in 2 and black in 2: {wins} wins, "
+                        f"{draws} draws, {losses} losses; {mates} checkmates given; {attempts} illegal attempts in "
+                        f"its {moves} moves ({100 * attempts / moves:.1f}%)")
+
+
+# ---- issue 35, point 4: inference keeps no autograd graph ----------------------------------------------------
+
+def test_a_played_game_holds_no_tensor_that_needs_a_gradient(demo):
+    """The model loaded in one thread and played in another, as the UCI engine does (a thread's
+    grad mode is its own): no parameter, cached key or value, or score asks for a gradient or
+    holds a graph."""
+    import threading
+
+    import torch
+
+    import play
+    torch.set_num_threads(1)
+    loaded = {}
+    loader = threading.Thread(target=lambda: loaded.update(player=play.ModelPlayer(str(demo / "model"), "cpu")))
+    loader.start()
+    loader.join()
+    player, board, rng = loaded["player"], chess.Board(), random.Random(0)
+    while board.ply() < 40 and not board.is_game_over():
+        board.push(player.move(board)[0] if board.turn == chess.WHITE else rng.choice(list(board.legal_moves)))
+    cached = [value for part in (player.cache, *getattr(player.cache, "layers", [])) for value in vars(part).values()
+              if isinstance(value, torch.Tensor)]
+    assert cached and player.cache.get_seq_length() > 40
+    scores = player.log_probs_after(player.prompt(play.words_since_root(board, player.notation)))
+    for tensor in [*player.model.parameters(), *player.model.buffers(), *cached, scores]:
+        assert not tensor.requires_grad and tensor.grad_fn is None
+
+
+def peak_rss_mib(pid):
+    status = open(f"/proc/{pid}/status").read()
+    return int(re.search(r"^VmHWM:\s+(\d+) kB", status, re.M)[1]) / 1024
+
+
+def test_the_engine_s_peak_memory_stays_flat_over_a_200_ply_game(demo):
+    """The UCI engine plays both sides of a 200-ply game, a `position startpos moves ...` and a `go`
+    a ply: its peak resident memory after ply 200 is within 10% of that after ply 20 (with a graph
+    kept per move it grew from 367 MB to 5.35 GB)."""
+    engine = subprocess.Popen([sys.executable, PLAY, "--model", str(demo / "model"), "--uci"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=ENV, cwd=REPO)
+    try:
+        moves, peaks = [], {}
+        for ply in range(1, 201):
+            engine.stdin.write(f"position startpos moves {' '.join(moves)}\ngo movetime 10\n")
+            engine.stdin.flush()
+            while not (line := engine.stdout.readline()).startswith("bestmove"):
+                assert line, "the engine ended"
+            moves.append(line.split()[1])
+            assert moves[-1] != "0000", f"the game ended at ply {ply}"
+            if ply in (20, 200):
+                peaks[ply] = peak_rss_mib(engine.pid)
+        engine.stdin.write("quit\n")
+        engine.stdin.flush()
+        assert engine.wait(timeout=60) == 0
+    finally:
+        engine.kill()
+    assert peaks[200] <= 1.1 * peaks[20], peaks
+
+
+def test_the_evaluation_and_generation_build_no_graph(demo):
+    """The legal-move evaluation, the validation loss and Hugging Face's generate (the README's
+    snippet) run every forward pass with gradients off, on a model whose parameters ask for them."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from common.chess_eval import answers, validation_loss_sums
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(demo / "model").eval()
+    tokenizer = AutoTokenizer.from_pretrained(demo / "model")
+    assert all(p.requires_grad for p in model.parameters())
+    grad_modes = []
+    model.register_forward_hook(lambda module, inputs, output: grad_modes.append(torch.is_grad_enabled()))
+    games = [json.loads(line)["text"].split() for line in (demo / "data/validation.jsonl").read_text().splitlines()[:4]]
+    answers(model, tokenizer, "piece", [game[:10] for game in games], 2, 256, torch.device("cpu"))
+    ids = tokenizer("P e2 e4 p e7 e5", return_tensors="pt").input_ids
+    validation_loss_sums(model, [ids[0], ids[0][:4]], 2, tokenizer.pad_token_id, torch.device("cpu"))
+    model.generate(ids, max_new_tokens=3, do_sample=False)
+    assert len(grad_modes) > 10 and not any(grad_modes)

@@ -172,3 +172,44 @@ def test_bad_options_are_one_error_line(arguments, message, no_slurm_env):
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
     assert message in result.stderr
+
+
+# ---- issue 36: case 13, and the sweep's own default-output pattern ---------------------------------------
+
+@pytest.mark.quick
+@pytest.mark.parametrize("content", ['{"command": "benchmark/sweep.py", "runs": [{"batch_size_per', "[]",
+                                     '{"runs": [{"output_dir": "x"}]}'])
+def test_collect_of_a_damaged_sweep_json_is_one_line(tmp_path, content):
+    """Case 13: a truncated sweep.json was a traceback."""
+    (tmp_path / "sweep.json").write_text(content)
+    with pytest.raises(UserError, match=f"^{tmp_path / 'sweep.json'} is damaged \\("):
+        sweep_module.collect(tmp_path)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["sweep.json"]
+
+
+@pytest.mark.quick
+def test_collect_leaves_out_a_line_cut_short(tmp_path):
+    """A task killed while it wrote metrics.jsonl: its run has no result, and the table is written."""
+    run = sweep_module.planned_run(tmp_path, 1, False)
+    Path(run["output_dir"]).mkdir()
+    run["logs"] = [str(Path(run["output_dir"]) / "log.txt")]
+    (Path(run["output_dir"]) / "summary.json").write_text("{}")
+    (Path(run["output_dir"]) / "metrics.jsonl").write_text('{"step": 1, "tokens": 10, "step_time_s": 1, "world_si')
+    assert sweep_module.read_run(run)["status"].startswith("no result")
+
+
+@pytest.mark.quick
+def test_an_earlier_sweep_in_out_is_refused_before_anything_runs(demo, tmp_path, monkeypatch):
+    """Each run's folder under --out was deleted first, and sweep.md/.json/.png written over."""
+    (tmp_path / "batch1").mkdir()
+    (tmp_path / "batch1/notes.txt").write_text("mine")
+    (tmp_path / "sweep.json").write_text("{}")
+    launched = []
+    monkeypatch.setattr(benchmark_run, "launch", lambda *args: launched.append(args))
+    for command in (["--max_batch_size", "1"], ["--slurm", "--gpus", "2", "--max_batch_size", "1"]):
+        monkeypatch.setattr(sys, "argv", ["sweep.py", "--model", str(demo / "model"), "--data_dir", str(demo / "data"),
+                                          "--out", str(tmp_path), *command])
+        with pytest.raises(UserError, match=f"--out {tmp_path} holds an earlier sweep .*: pass --overwrite"):
+            sweep_module.main()
+    assert not launched and (tmp_path / "batch1/notes.txt").read_text() == "mine"
+    assert (tmp_path / "sweep.json").read_text() == "{}"

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.api import CheckpointException
 
 from common.checkpoint import load_sharded, written_whole
-from common.run_dir import CHECKPOINT_FOLDER, MARKER, is_complete
+from common.run_dir import CHECKPOINT_FOLDER, MARKER, RunDir, is_complete
 from common.safe_dcp import SafeReader
 from common.errors import UserError, exit_on_user_error, first_line
 
@@ -26,6 +26,16 @@ from common.errors import UserError, exit_on_user_error, first_line
 def check_paths(checkpoint, out_dir):
     if not checkpoint.is_dir():
         raise UserError(f"no checkpoint at {checkpoint}: pass a folder {CHECKPOINT_FOLDER}")
+    run = RunDir(checkpoint)
+    if run.run_file.is_file() or run.checkpoints_dir.is_dir():
+        latest = run.latest_checkpoint()
+        raise UserError(f"{checkpoint} is a run's folder: pass one of its checkpoints, a folder "
+                        f"{CHECKPOINT_FOLDER}" + (f" (the newest complete one is {latest})" if latest else
+                                                  " (it has no complete one)"))
+    if not is_complete(checkpoint) and (checkpoint / "config.json").is_file() and any(
+            checkpoint.glob("*.safetensors")):
+        raise UserError(f"{checkpoint} is a Hugging Face model already (a run's final/ folder, or an export): "
+                        "AutoModelForCausalLM.from_pretrained loads it as it is")
     if not is_complete(checkpoint):
         raise UserError(f"{checkpoint} is not a complete checkpoint (no {MARKER} marker: its save was "
                         "interrupted): choose an older one")

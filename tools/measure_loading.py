@@ -19,7 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common.errors import exit_on_user_error
+from common.arguments import Parser, at_least
+from common.errors import UserError, exit_on_user_error
 
 METHODS = {"every_rank": "every rank loads the model", "rank0_broadcast": "rank 0 loads, broadcasts (train.py)"}
 
@@ -115,15 +116,18 @@ def print_table(results):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", help="a local model directory (default: build a random Llama)")
-    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--hidden_size", type=int, default=1024, help="of the random Llama")
-    parser.add_argument("--layers", type=int, default=16, help="of the random Llama")
-    parser.add_argument("--vocab_size", type=int, default=32000, help="of the random Llama")
-    parser.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")
-    parser.add_argument("--worker", choices=list(METHODS), help=argparse.SUPPRESS)  # one rank under torchrun
+    parser = Parser(__doc__.split("\n\n")[0])
+    parser.add("model", help="a local model directory (default: build a random Llama)")
+    parser.add("ranks", type=at_least(1), nargs="+", default=[2, 4])
+    parser.add("hidden_size", type=at_least(64), default=1024, help="of the random Llama: heads of 64")
+    parser.add("layers", type=at_least(1), default=16, help="of the random Llama")
+    parser.add("vocab_size", type=at_least(1), default=32000, help="of the random Llama")
+    parser.add("json", action="store_true", help="print the figures as JSON instead of a table")
+    parser.add("worker", choices=list(METHODS), help=argparse.SUPPRESS)  # one rank under torchrun
     args = parser.parse_args()
+    if args.hidden_size % 64:
+        raise UserError(f"--hidden_size {args.hidden_size}: the random Llama has heads of 64, so a multiple of 64 "
+                        f"(e.g. {args.hidden_size // 64 * 64 or 64})")
     if args.worker:
         figures = measure_one_rank(args.worker, args.model)
         if int(os.environ["RANK"]) == 0:
