@@ -22,7 +22,7 @@ from common.batch import describe, gradient_accumulation_steps
 from common.chess_eval import Evaluation
 from common.data import count_loss_tokens, loss_sum, training_data
 from common.device import pick_device
-from common.errors import exit_on_user_error, say
+from common.errors import exit_on_user_error
 from common.hang import Watchdog
 from common.metrics import MetricsLog
 from common.model import enable_gradient_checkpointing, load_model, load_model_files
@@ -163,8 +163,7 @@ def main():
         if stopping:
             metrics.close()
             watchdog.done()
-            say(f"preempted: saved a checkpoint at step {step + 1} in {output_dir}; continue with --resume "
-                       f"(stopped by {stop.reason()})")
+            stop.say_saved(step + 1, output_dir)
             return
     watchdog.phase("final model")
 

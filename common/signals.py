@@ -57,6 +57,12 @@ class StopFlag:
         between its batches, which wait for the GPU anyway). A collective, like any_rank."""
         return bool(self.any_rank().item())
 
+    def say_saved(self, step, output_dir):
+        """The run's last line when a signal stopped it (rank 0's): where it saved, and how to go on."""
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            errors.say(f"preempted: saved a checkpoint at step {step} in {output_dir}; continue with --resume "
+                       f"(stopped by {self.reason()})")
+
     def reason(self):
         names = {signal.SIGTERM: "SIGTERM", PREEMPTION_SIGNAL: "the preemption warning (USR2)",
                  signal.SIGINT: "Ctrl-C"}
