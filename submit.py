@@ -203,8 +203,12 @@ def main(argv):
     if not args.dry_run and shutil.which("sbatch") is None:
         raise UserError("no Slurm here (sbatch not found): run this on the cluster's login node, or add --dry-run")
     if args.step in ("fsdp", "lora") and not args.force:
-        check_plan.check_job(args.step, job, args.gpus, args.nodes, args.gpu_memory_gib,
-                                                       override="--force")
+        # On several nodes, unless --sharding_strategy is given: HYBRID_SHARD where it fits, else FULL_SHARD.
+        choose = args.nodes > 1 and not check_plan.names_option(training_args, "--sharding_strategy")
+        check_plan.check_job(args.step, job, args.gpus, args.nodes, args.gpu_memory_gib, override="--force",
+                             choose_sharding=choose)
+        if choose:
+            training_args += ["--sharding_strategy", job.sharding_strategy]
 
     executor, cpus_per_task = make_executor(args, timeout_min, warning_s)
     launcher = StepLauncher(args.step, args.gpus, cpus_per_task, training_args, warning_s)

@@ -178,7 +178,8 @@ def main():
     # Every input is checked; only now does the run write (and --overwrite delete the old run).
     note = output.start(run_settings(args, "sharded", config, train_rows, precision=precision))
     if is_main:
-        tqdm.write(describe(args.total_batch_size, args.batch_size_per_device, world_size, accumulation))
+        tqdm.write(describe(args.total_batch_size, args.batch_size_per_device, world_size, accumulation)
+                   + f", {args.sharding_strategy}")
 
     # Checkpoints: no rank holds the whole model, so every rank writes its own shards
     # (torch.distributed.checkpoint). The files don't depend on the world size: a run saved on

@@ -223,7 +223,8 @@ def main():
     note = output.start(run_settings(args, "sharded LoRA adapters", config, train_rows, precision=precision,
                                      lora=[args.lora_rank, args.lora_alpha, args.lora_target_modules, args.qlora]))
     if is_main:
-        tqdm.write(describe(args.total_batch_size, args.batch_size_per_device, world_size, accumulation))
+        tqdm.write(describe(args.total_batch_size, args.batch_size_per_device, world_size, accumulation)
+                   + f", {args.sharding_strategy}")
 
     # Checkpoints: no rank holds the whole model, so every rank writes its own shards
     # (torch.distributed.checkpoint). The files don't depend on the world size: a run saved on

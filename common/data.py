@@ -138,7 +138,10 @@ def training_data(args, tokenizer, notation, rank=0, world_size=1):
 
 
 def collate(rows, pad_id):
-    """Pad a micro-batch to its longest row; padding gets no attention and no loss."""
+    """Pad a micro-batch to its longest row; padding gets no attention and no loss. Rows of one length
+    (packed rows: the default) need no mask: without one the model attends causally, which is what a
+    mask of ones gives, and it does not read the mask back from the GPU to find out (Hugging Face
+    checks a mask it is given for padding, one wait for the GPU per forward pass)."""
     longest = max(len(row) for row in rows)
     input_ids = torch.full((len(rows), longest), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), longest), IGNORE_INDEX, dtype=torch.long)
@@ -147,7 +150,10 @@ def collate(rows, pad_id):
         input_ids[i, : len(row)] = row
         labels[i, : len(row)] = row
         attention_mask[i, : len(row)] = 1
-    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+    batch = {"input_ids": input_ids, "labels": labels}
+    if any(len(row) < longest for row in rows):
+        batch["attention_mask"] = attention_mask
+    return batch
 
 
 def make_loader(rows, sampler, pad_id, device, workers=None):
@@ -172,7 +178,7 @@ def loss_sum(model, batch):
     A sum, not a mean: the caller divides by the token count of the whole global batch, so
     every token weighs the same however the batch is split across micro-batches and ranks.
     """
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
     # Shift the labels, not the logits: logits[:, :-1] would copy rows × length × vocabulary values
     # (42 MB per micro-batch at a 20k vocabulary); the last position, which predicts nothing, is ignored.
     next_tokens = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)

@@ -15,6 +15,7 @@ from common import errors, lock
 from common.errors import UserError
 from common.notation import CONFIG_KEY
 from common.run_dir import RunDir, new_run_id
+from common.shared_folder import check_shared
 
 # The inputs a run reads from disk: --overwrite must not delete them with the old run.
 INPUTS = ("model", "data_dir", "prepared_dir")
@@ -25,8 +26,9 @@ def requeued():
 
 
 class OutputDir:
-    """Check the output directory and take it for this run. Rank 0 holds its lock; every rank
-    reaches the same verdicts, since they read the same files. `resume` and `overwrite` say what
+    """Check the output directory and take it for this run. Rank 0 holds its lock; every node must
+    see the same folder (common/shared_folder.py), and every rank reaches the same verdicts, since
+    they read the same files. `resume` and `overwrite` say what
     the run does: what was asked, except in a requeued job (see above)."""
 
     def __init__(self, args, is_main):
@@ -46,6 +48,9 @@ class OutputDir:
             if self.lock is None:
                 raise UserError(f"another run is writing to {self.path} ({lock.holder(self.run_dir.lock_file)}): "
                                 "wait for it to end, or choose another --output_dir")
+        check_shared(self.path, "--output_dir")  # the same folder on every node: they all write shards there
+        if getattr(args, "prepared_dir", None):  # where the job reads, or makes, the tokenized games
+            check_shared(args.prepared_dir, "--prepared_dir")
         holds_run = self.run_dir.metrics.exists() or self.run_dir.run_file.exists()
         if holds_run and not (self.resume or self.overwrite):
             raise UserError(f"{self.path} already holds a run: pass --resume to continue it, --overwrite "

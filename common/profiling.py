@@ -77,10 +77,23 @@ class StepProfiler:
     def write(self, profiler):
         self.folder.mkdir(parents=True, exist_ok=True)
         profiler.export_chrome_trace(str(self.folder / f"rank{self.rank}.pt.trace.json"))
-        (self.folder / f"summary-rank{self.rank}.txt").write_text(summary(profiler.key_averages(), self.rank))
+        (self.folder / f"summary-rank{self.rank}.txt").write_text(
+            summary(profiler.key_averages(), self.rank, waits_for_values(profiler.events())))
 
 
-def summary(averages, rank):
+def waits_for_values(events):
+    """How often the steps read a tensor's value back to the host (item(), bool(): on a GPU each
+    waits for the GPU's queue to drain) outside the optimiser's own step."""
+    def under_optimizer(event):
+        while event is not None:
+            if OPTIMIZER.search(event.name):
+                return True
+            event = event.cpu_parent
+        return False
+    return sum(1 for event in events if event.name == "aten::_local_scalar_dense" and not under_optimizer(event))
+
+
+def summary(averages, rank, value_reads=None):
     """Where the profiled steps' time went, on this rank's host threads, and the top operations."""
     steps = [event for event in averages if event.key.startswith("ProfilerStep")]
     wall = sum(event.cpu_time_total for event in steps) or 1.0
@@ -90,8 +103,12 @@ def summary(averages, rank):
     optimizer = sum(event.cpu_time_total for event in averages if OPTIMIZER.search(event.key))
     compute = max(wall - communication - optimizer, 0.0)
     on_gpu = any(event.device_time_total for event in averages)
+    step_count = sum(event.count for event in steps) or 1
+    collectives = sum(event.count for event in averages if event.key.startswith(("gloo:", "nccl:")))
     lines = [f"rank {rank}: {sum(event.count for event in steps)} profiled step(s), "
-             f"{wall / 1e3:.1f} ms on the host",
+             f"{wall / 1e3:.1f} ms on the host; per step {collectives / step_count:.1f} collectives"
+             + ("" if value_reads is None else f", {value_reads / step_count:.1f} reads of a value from the device "
+                "besides the figures' (item(), bool(): on a GPU each waits for it)"),
              f"  communication {communication / wall:6.1%}   (collectives, including waiting for other ranks)",
              f"  optimizer     {optimizer / wall:6.1%}   (AdamW's step)",
              f"  compute       {compute / wall:6.1%}   (forward, backward, the rest)", "",

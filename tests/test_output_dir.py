@@ -6,7 +6,9 @@ run is never resumed from nor deleted, a requeued Slurm job continues its run, a
 writes follow the user's umask."""
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -292,3 +294,36 @@ def test_ctrl_c_ends_with_one_line_naming_the_checkpoint(demo, tmp_path):
     stopped = [line for line in out.splitlines() if line.startswith("preempted: saved a checkpoint at step")]
     assert len(stopped) == 1 and "stopped by Ctrl-C" in stopped[0], out[-2000:]
     assert not psutil.pid_exists(process.pid) or psutil.Process(process.pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_an_output_folder_that_a_node_does_not_share_is_refused_with_its_name(demo, tmp_path):
+    """Two torchrun "nodes" on this machine (--nnodes 2, --node-rank 0 and 1), the second in a mount
+    namespace of its own where a tmpfs hides the output folder's parent: what a node-local /tmp or
+    scratch is. Before any training, one line names the node that does not see the folder."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) to give one node a private mount")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    out = shared / "run"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+
+    def node(rank):
+        return [sys.executable, "-m", "launch.torchrun", "--nnodes=2", "--nproc-per-node=1", f"--node-rank={rank}",
+                "--master-addr=127.0.0.1", f"--master-port={port}", str(STEP_SCRIPTS["fsdp"]),
+                *map(str, demo_args(demo, out) + ["--max_steps", 2])]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first = subprocess.Popen(node(0), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    private = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+               'mount -t tmpfs tmpfs "$0" && exec "$@"', str(shared), *node(1)]
+    second = subprocess.Popen(private, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    (_, first_err), (_, second_err) = first.communicate(timeout=300), second.communicate(timeout=300)
+    assert (first.returncode, second.returncode) == (2, 2), first_err[-2000:] + second_err[-2000:]
+    errors = [line for line in first_err.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: --output_dir {out} is not shared by the job's nodes: node 1 ({socket.gethostname()}) "
+                      "cannot see the file rank 0 wrote there (a folder on each node's own disk, such as /tmp or a "
+                      "local scratch?). Each node would keep its part of every checkpoint: use a folder on a file "
+                      "system that every node mounts (e.g. /scratch/$USER/...)"], first_err[-3000:]
+    assert "Traceback" not in first_err + second_err
+    assert not (out / "metrics.jsonl").exists() and not list(out.glob(".shared-check-*"))

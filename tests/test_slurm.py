@@ -1,5 +1,7 @@
 """The kit's Slurm path against a real Slurm: the sbatch templates and submit.py, run to
-completion on a 2-node cluster with 2 fake GPUs per node (tests/slurm/local_cluster.sh).
+completion on a 2-node cluster with 2 fake GPUs per node (tests/slurm/local_cluster.sh). On 2
+nodes the jobs check their shared output folder (common/shared_folder.py: the cluster's nodes share
+the file system) and run the sharding the plan check chose.
 
 The fake GPUs are not usable by CUDA, so the templates run one CPU process per allocated GPU
 with gloo: the very scripts a user submits, with the same torchrun and rendezvous.
@@ -70,6 +72,10 @@ def test_sbatch_template_trains(slurm_cluster, demo, script, nodes, gpus_per_nod
             assert f"rendezvous node1:{20000 + int(job_id)} id {job_id}-0" in output
         if script in ("fsdp", "lora"):
             assert "plan check: fits: " in output
+            # on several nodes the plan check chooses the sharding, and the run is sharded the way it said
+            strategy = "HYBRID_SHARD" if nodes > 1 else "FULL_SHARD"
+            assert (f"sharding: HYBRID_SHARD on {nodes} nodes: " in output) == (nodes > 1), output[-3000:]
+            assert f"× {accumulation} gradient accumulation steps, {strategy}\n" in output, output[-3000:]
         check_training_run(output_dir, nodes * gpus_per_node, accumulation, per_device,
                            FINAL_FILES.get(script, FULL_MODEL))
 
@@ -119,6 +125,7 @@ def test_submit_py_trains_on_two_nodes(slurm_cluster, demo):
     with slurm_cluster.logs_kept_on_failure():
         assert result.returncode == 0, result.stderr
         assert "total batch 8 = 2 per device × 4 devices × 1 gradient accumulation steps" in result.stdout
+        assert "sharding: HYBRID_SHARD on 2 nodes: " in result.stdout  # and the job runs it (below)
         job_id = re.search(r"submitted job (\d+)", result.stdout).group(1)
         for hint in (f"squeue -j {job_id}", f"sacct -j {job_id}", f"tail -f {log_dir}/{job_id}/{job_id}_0_log.out"):
             assert hint in result.stdout
@@ -130,6 +137,7 @@ def test_submit_py_trains_on_two_nodes(slurm_cluster, demo):
                    f"--rdzv-id={job_id}-0" in log
         # rank 0 notes it, on whichever node it is
         assert sum(log.count("not usable by CUDA here") for log in logs) == 1, logs
+        assert sum(log.count("× 1 gradient accumulation steps, HYBRID_SHARD\n") for log in logs) == 1, logs
         check_training_run(slurm_cluster.jobs_dir / f"submit-fsdp-{job_id}", 4, 1, 2)
         # what `sacct -j ID` (the hint above) tells: the job, its exit code and the 4 GPUs it had
         (record,) = slurm_cluster.accounted(job_id, "ExitCode", "AllocTRES")

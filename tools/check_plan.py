@@ -469,23 +469,54 @@ def compare_table(args):
     return "\n".join(lines)
 
 
-def check_job(step, args, gpus_per_node, nodes, gpu_memory_gib, override):
+def check_job(step, args, gpus_per_node, nodes, gpu_memory_gib, override, choose_sharding=False, out=sys.stdout):
     """The check before a job starts (submit.py, the Slurm templates): one verdict line, or a
-    UserError naming the figure and what to change; `override` says how to run it anyway."""
+    UserError naming the figure and what to change; `override` says how to run it anyway. With
+    `choose_sharding` and several nodes, the job's sharding is the check's choice (choose_sharding);
+    `args.sharding_strategy` says which it is. Returns the plan, or None where it cannot run."""
     try:
-        result = plan(args, gpus_per_node, nodes, step, gpu_memory_gib)
+        if choose_sharding and nodes > 1:
+            args.sharding_strategy, result = choose_strategy(args, gpus_per_node, nodes, step, gpu_memory_gib, out)
+        else:
+            result = plan(args, gpus_per_node, nodes, step, gpu_memory_gib)
     except PlanUnavailable as why:
-        print(f"plan check: not run: {why}; the job goes ahead unchecked", flush=True)
+        print(f"plan check: not run: {why}; the job goes ahead unchecked", file=out, flush=True)
         return None
     if not result["fits"]:
         raise UserError(f"{verdict_line(result)} ({override} runs it anyway)")
-    print(f"{verdict_line(result)} ({result['seconds']:.0f} s)", flush=True)
+    print(f"{verdict_line(result)} ({result['seconds']:.0f} s)", file=out, flush=True)
     return result
+
+
+def choose_strategy(args, gpus_per_node, nodes, step, gpu_memory_gib, out=sys.stdout):
+    """The sharding of a job on several nodes that names none: HYBRID_SHARD where the plan check says
+    it fits (each node keeps a replica, sharded over its own GPUs: every layer's all-gather stays on
+    the node's NVLink, and only the gradients' all-reduce crosses the network), else FULL_SHARD
+    (sharded over every GPU of every node: less memory, each all-gather across the network). Prints
+    the choice and both peaks; returns (the strategy, its plan)."""
+    def job(strategy):
+        return argparse.Namespace(**{**vars(args), "sharding_strategy": strategy, "shard_group_size": None})
+    plans = {strategy: plan(job(strategy), gpus_per_node, nodes, step, gpu_memory_gib)
+             for strategy in ("HYBRID_SHARD", "FULL_SHARD")}
+    choice = "HYBRID_SHARD" if plans["HYBRID_SHARD"]["fits"] else "FULL_SHARD"
+    hybrid, full = (gib(plans[strategy]["needed"]) for strategy in ("HYBRID_SHARD", "FULL_SHARD"))
+    print(f"sharding: {choice} on {nodes} nodes: HYBRID_SHARD (sharded inside each node of {gpus_per_node} GPUs) "
+          f"needs {hybrid} GiB per GPU, FULL_SHARD (over all {gpus_per_node * nodes} GPUs) {full} GiB, of "
+          f"{plans[choice]['gpu_memory_gib']:g}; --sharding_strategy chooses another", file=out, flush=True)
+    return choice, plans[choice]
+
+
+def names_option(argv, option):
+    """Whether a command line gives `option` (--name or --name=value, either spelling)."""
+    spellings = (option, option.replace("_", "-"))
+    return any(arg.split("=", 1)[0] in spellings for arg in argv)
 
 
 def check_training_job(argv):
     """`check_plan.py --gpus_per_node N --nodes M [--step lora] -- TRAINING ARGUMENTS`: the check of
-    a job given as the training script's own arguments (what slurm/fsdp.sh runs before training)."""
+    a job given as the training script's own arguments (what slurm/fsdp.sh runs before training).
+    With --choose_sharding (the templates'), the chosen strategy is the one line on stdout, the
+    check's own lines go to stderr."""
     own, training_args = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     parser = Parser("the plan check of a job given by its training arguments (after --)")
     parser.add("step", choices=["fsdp", "lora"], default="fsdp", help="04_fsdp or 05_lora")
@@ -493,11 +524,18 @@ def check_training_job(argv):
     parser.add("nodes", type=int, default=1, help="nodes")
     parser.add("gpu_memory_gib", type=float, default=None, help="memory of one GPU (default: this machine's, else 80)")
     parser.add("override", default="--force", help="how the refusal says to run the job anyway")
+    parser.add("choose_sharding", action="store_true",
+               help="several nodes and no --sharding_strategy: choose HYBRID_SHARD where it fits, else FULL_SHARD, "
+                    "and print the choice alone on stdout")
     args = parser.parse_args(own)
     if args.gpu_memory_gib is not None and not (math.isfinite(args.gpu_memory_gib) and args.gpu_memory_gib > 0):
         raise UserError(f"--gpu_memory_gib must be positive (got {args.gpu_memory_gib:g})")
     job = check_training_arguments(args.step, training_args)
-    check_job(args.step, job, args.gpus_per_node, args.nodes, args.gpu_memory_gib, args.override)
+    choose = args.choose_sharding and args.nodes > 1 and not names_option(training_args, "--sharding_strategy")
+    out = sys.stderr if args.choose_sharding else sys.stdout
+    result = check_job(args.step, job, args.gpus_per_node, args.nodes, args.gpu_memory_gib, args.override, choose, out)
+    if choose and result is not None:
+        print(job.sharding_strategy, flush=True)
     return 0
 
 
