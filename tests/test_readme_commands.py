@@ -62,6 +62,8 @@ SKIPPED = {
     r"^python play\.py --model runs/learn_chess/": "plays the learning run's model (tests/test_play.py plays the demo "
                                                   "model and a sub-word one, also as a UCI engine)",
     r"^tensorboard ": "starts a server that runs until stopped",
+    r"^python -m torch\.distributed\.flight_recorder\.fr_trace ": "reads the Flight Recorder dumps of a hung NCCL job "
+                                                                 "(tests/test_hang.py makes gloo's)",
     r"^python benchmark/sweep\.py$": "the sweep: minutes (tests/test_sweep.py runs a tiny one)",
     r"^python benchmark/sweep\.py --slurm (?!.*--dry-run)": "submits a job array: needs Slurm",
     r"^python benchmark/sweep\.py --collect ": "needs a finished sweep on Slurm (tests/test_sweep.py collects one)",
@@ -163,9 +165,9 @@ def run(command, cwd=REPO, timeout=180):
 
 
 def generation_snippet():
-    """The main README's python block that loads a trained model and checks its next move."""
-    text = (REPO / "README.md").read_text()
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "common.notation" in b and "generate(" in b]
+    """The python block of the README files that loads a trained model and checks its next move."""
+    blocks = [b for path in readme_files() for b in re.findall(r"```python\n(.*?)```", path.read_text(), re.S)
+              if "common.notation" in b and "generate(" in b]
     assert len(blocks) == 1, "the README's generation snippet (a ```python block with `common.notation`) is gone"
     return blocks[0]
 
@@ -238,3 +240,9 @@ def test_generation_snippet_runs_on_a_trained_model(results):
     assert done.returncode == 0, f"{seconds} s\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
     assert re.search(r"^next move: '.*' \((legal|not legal) after e2e4 e7e5 g1f3 b8c6\)$", done.stdout, re.M), \
         done.stdout[-2000:]
+
+
+def test_the_front_page_is_read_in_five_minutes():
+    """What it is, the two commands, the steps, the cluster path, where to go next: the rest is one link away."""
+    lines = (REPO / "README.md").read_text().splitlines()
+    assert len(lines) <= 300, f"README.md has {len(lines)} lines: move a section to the page it belongs on"
