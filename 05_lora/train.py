@@ -180,7 +180,7 @@ def main():
     is_main = rank == 0  # only rank 0 logs and saves
     output = OutputDir(args, is_main)  # one run at a time per output directory, which every node must see
     output_dir = output.run_dir  # what goes where: common/run_dir.py
-    watchdog = Watchdog(output_dir.hang, args.collective_timeout, "loading")  # a hang ends the job, and says where
+    watchdog = Watchdog(output_dir.hang, args.collective_timeout, "loading")  # a hang ends the run, and says where
     torch.manual_seed(args.seed)
 
     # Model: fp32 weights, sharded. FSDP itself runs the layers in bf16 and reduces the gradients

@@ -77,3 +77,34 @@ def test_the_lessons_and_common_stand_on_their_own():
     assert {name: found for name, found in offenders.items() if found} == {}
     by_path = ("spec_from_file_location", "run_path", "SourceFileLoader")
     assert [str(p.relative_to(REPO)) for p in files if any(call in p.read_text() for call in by_path)] == []
+
+
+@pytest.mark.parametrize("steps", DIFF_BUDGETS, ids=lambda steps: f"{steps[0]}->{steps[1]}")
+def test_each_readme_quotes_the_diff_as_it_is(steps):
+    """A step's README walks its diff, quoting it: every line it quotes as added is in the step's
+    script, every line quoted as removed in the previous step's, every context line in either."""
+    import re
+    before, after = ((REPO / step / "train.py").read_text().splitlines() for step in steps)
+    added, removed = {line.rstrip() for line in after}, {line.rstrip() for line in before}
+    stale = []
+    for block in re.findall(r"```diff\n(.*?)```", (REPO / steps[1] / "README.md").read_text(), re.S):
+        for line in block.splitlines():
+            sign, text = line[:1], line[1:].rstrip()
+            if (sign == "+" and text not in added) or (sign == "-" and text not in removed) or (
+                    sign == " " and text not in added | removed):
+                stale.append(line)
+    assert not stale, f"{steps[1]}/README.md quotes lines its diff no longer has:\n" + "\n".join(stale)
+
+
+# The names a step script imports before its first line of logic: what a reader holds in their head
+# (nanoGPT's train.py about a dozen, the Lambda guide's chapter scripts about 25).
+IMPORTED_NAMES = {"02_singlegpu": 40, "03_ddp": 40, "04_fsdp": 40, "05_lora": 45}
+
+
+@pytest.mark.parametrize("step", IMPORTED_NAMES)
+def test_a_step_script_imports_few_names(step):
+    import ast
+    tree = ast.parse((REPO / step / "train.py").read_text())
+    names = [alias.asname or alias.name for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))
+             for alias in node.names]
+    assert len(names) <= IMPORTED_NAMES[step], f"{step}/train.py imports {len(names)} names: {names}"
