@@ -108,3 +108,12 @@ def test_a_step_script_imports_few_names(step):
     names = [alias.asname or alias.name for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))
              for alias in node.names]
     assert len(names) <= IMPORTED_NAMES[step], f"{step}/train.py imports {len(names)} names: {names}"
+
+
+def test_step_2_readme_quotes_its_script_as_it_is():
+    """Step 2's README walks the script itself, in python blocks: every line it quotes is in it."""
+    import re
+    script = {line.rstrip() for line in (REPO / "02_singlegpu/train.py").read_text().splitlines()}
+    quoted = [line for block in re.findall(r"```python\n(.*?)```", (REPO / "02_singlegpu/README.md").read_text(), re.S)
+              for line in block.splitlines() if line.strip()]
+    assert quoted and not [line for line in quoted if line.rstrip() not in script]
