@@ -24,10 +24,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from common.arguments import DEMO_DIR, Parser  # common first: it quiets torchao, which transformers imports
+
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from transformers import Trainer, TrainerCallback, TrainingArguments
-
-from common.arguments import DEMO_DIR, Parser
 from common.batch import gradient_accumulation_steps
 from common.data import collate
 from common.errors import UserError, exit_on_user_error

@@ -42,11 +42,13 @@ JOB_TIMEOUT_S = 240
 
 @pytest.fixture(scope="module")
 def uninterrupted(demo, tmp_path_factory):
-    """The same training in one go, with plain torchrun and the same world size and batch."""
+    """The same training in one go, with plain torchrun and the same world size, batch and sharding
+    (the jobs run on 2 nodes, where the plan check chooses HYBRID_SHARD: sharded within each node of
+    2, which sums the gradients in another order than FULL_SHARD over all 4)."""
     output_dir = tmp_path_factory.mktemp("uninterrupted")
     run_step(STEP, demo_args(demo, output_dir) + LEARNING_RATE + [  # demo_args has QUICK
-        "--max_steps", MAX_STEPS, "--total_batch_size", TOTAL_BATCH, "--batch_size_per_device", PER_DEVICE],
-        nproc=WORLD_SIZE)
+        "--max_steps", MAX_STEPS, "--total_batch_size", TOTAL_BATCH, "--batch_size_per_device", PER_DEVICE,
+        "--sharding_strategy", "HYBRID_SHARD", "--shard_group_size", 2], nproc=WORLD_SIZE)
     return output_dir
 
 

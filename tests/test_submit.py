@@ -72,7 +72,11 @@ def test_dry_run_prints_the_plan_and_the_sbatch_script_without_slurm(no_slurm_en
         assert line in out.splitlines(), line
     assert "--kill-on-bad-exit=1 --cpus-per-task=32" in out
     assert "nothing submitted" in out and "submitted job" not in out
-    assert out.startswith("plan check: fits: "), out  # the demo model: 8 ranks x 4 rows of 512 tokens
+    # Several nodes: the plan check chooses the sharding first, and the job names it
+    first, second = out.splitlines()[:2]
+    assert first.startswith("sharding: HYBRID_SHARD on 2 nodes: "), out
+    assert second.startswith("plan check: fits: "), out  # the demo model: 8 ranks x 4 rows of 512 tokens
+    assert "--learning_rate 2e-5 --sharding_strategy HYBRID_SHARD\n" in out
 
 
 def test_short_jobs_are_warned_halfway(no_slurm_env):

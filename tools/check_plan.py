@@ -469,11 +469,12 @@ def compare_table(args):
     return "\n".join(lines)
 
 
-def check_job(step, args, gpus_per_node, nodes, gpu_memory_gib, override, choose_sharding=False, out=sys.stdout):
+def check_job(step, args, gpus_per_node, nodes, gpu_memory_gib, override, choose_sharding=False, out=None):
     """The check before a job starts (submit.py, the Slurm templates): one verdict line, or a
     UserError naming the figure and what to change; `override` says how to run it anyway. With
     `choose_sharding` and several nodes, the job's sharding is the check's choice (choose_sharding);
     `args.sharding_strategy` says which it is. Returns the plan, or None where it cannot run."""
+    out = out or sys.stdout  # read at the call: a test (or a caller) may have replaced it
     try:
         if choose_sharding and nodes > 1:
             args.sharding_strategy, result = choose_strategy(args, gpus_per_node, nodes, step, gpu_memory_gib, out)
@@ -488,12 +489,14 @@ def check_job(step, args, gpus_per_node, nodes, gpu_memory_gib, override, choose
     return result
 
 
-def choose_strategy(args, gpus_per_node, nodes, step, gpu_memory_gib, out=sys.stdout):
+def choose_strategy(args, gpus_per_node, nodes, step, gpu_memory_gib, out=None):
     """The sharding of a job on several nodes that names none: HYBRID_SHARD where the plan check says
     it fits (each node keeps a replica, sharded over its own GPUs: every layer's all-gather stays on
     the node's NVLink, and only the gradients' all-reduce crosses the network), else FULL_SHARD
     (sharded over every GPU of every node: less memory, each all-gather across the network). Prints
     the choice and both peaks; returns (the strategy, its plan)."""
+    out = out or sys.stdout
+
     def job(strategy):
         return argparse.Namespace(**{**vars(args), "sharding_strategy": strategy, "shard_group_size": None})
     plans = {strategy: plan(job(strategy), gpus_per_node, nodes, step, gpu_memory_gib)
