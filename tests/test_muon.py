@@ -139,6 +139,22 @@ def test_sharded_matrices_get_the_whole_matrix_update_exactly():
     assert len(differences) == 6 and all(d == 0 for d in differences.values()), differences
 
 
+def test_the_designs_probe_counts_two_all_to_alls_where_dtensor_ran_hundreds():
+    """benchmark/muon_step.py on 2 ranks: the kit's step and the gathering one land on one process's
+    weights exactly, with 2 all-to-alls and 1 all-gather per step; torch.optim.Muon on the DTensor
+    shards ran hundreds of collectives (816 measured)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           "benchmark/muon_step.py", "--steps", "1"], capture_output=True, text=True, timeout=300,
+                          env=env, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in done.stdout.splitlines()
+            if line.startswith("| ") and "ms per step" not in line}
+    assert rows["owner (the kit)"][2] == "2: 2 alltoall_base" and rows["gather once"][2] == "1: 1 _allgather_base"
+    assert all(rows[name][4].startswith("0.0e+00") for name in ("owner (the kit)", "gather once"))
+    assert int(rows["torch.optim.Muon (DTensor, bf16)"][2].split(":")[0]) > 100
+
+
 # ---- the same optimisation in every step ------------------------------------------------------------
 
 @pytest.fixture(scope="module")
