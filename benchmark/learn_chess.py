@@ -8,7 +8,8 @@ and seeded random weights, reading games in the piece notation `P e2 e4`) and a 
 the games shipped in 01_download/ (chess_sample.parquet and chess_learn.parquet). --held_out
 openings are held out with every game that opens alike for 10 plies (common/chess_eval.py:
 held_out_split), so no training game shares a 10-ply prefix with an evaluated one. Then it trains
-with 03_ddp/train.py on 2 ranks (02_singlegpu/train.py with --nproc 1) and --optimizer muon (Muon
+with 03_ddp/train.py on 2 ranks (04_fsdp/train.py with --step 4, 02_singlegpu/train.py with
+--nproc 1) and --optimizer muon (Muon
 for the decoder's matrices, AdamW for the rest), exactly as a user would; the
 step script's own evaluation measures the legal-move rate every --eval_every steps on the first
 --eval_games held-out games. At the end the final model answers one position of every held-out
@@ -50,7 +51,7 @@ from launch.steps import load_step
 
 SAMPLE = REPO / "01_download" / "chess_sample.parquet"
 LEARN_GAMES = REPO / "01_download" / "chess_learn.parquet"
-SCRIPTS = {1: REPO / "02_singlegpu" / "train.py", 2: REPO / "03_ddp" / "train.py"}
+SCRIPTS = {2: REPO / "02_singlegpu" / "train.py", 3: REPO / "03_ddp" / "train.py", 4: REPO / "04_fsdp" / "train.py"}
 PHASES = ("opening", "middle", "late")
 # Measured for this run's model and batch (benchmark/NOTES.md: The learning run's optimiser)
 LEARNING_RATES = {"muon": 9e-3, "adamw": 3e-3}
@@ -121,11 +122,11 @@ def build_data(folder, learn_games, train_games, held_out):
 
 
 def train_command(args, model_dir, data_dir, run_dir):
-    if args.nproc == 1:
-        launcher = [sys.executable, str(SCRIPTS[1])]
+    if args.step == 2:
+        launcher = [sys.executable, str(SCRIPTS[2])]
     else:
         launcher = [sys.executable, "-m", "launch.torchrun", "--standalone", f"--nproc-per-node={args.nproc}",
-                    str(SCRIPTS[2])]
+                    str(SCRIPTS[args.step])]
     options = {"model": model_dir, "data_dir": data_dir, "output_dir": run_dir,
                "prepared_dir": Path(args.out) / "prepared", "total_batch_size": args.total_batch_size,
                "batch_size_per_device": args.batch_size_per_device, "max_seq_length": args.max_seq_length,
@@ -134,8 +135,11 @@ def train_command(args, model_dir, data_dir, run_dir):
                "max_steps": args.max_steps, "eval_every": args.eval_every, "eval_games": args.eval_games,
                "seed": args.seed, "device": "cpu"}
     # --no_packing: one game per row, from its first move, as the evaluation shows them; packed rows
-    # start mid-game and run several games together (at step 100: 7% legal moves against 16%)
-    return launcher + [f"--{name}={value}" for name, value in options.items()] + ["--no_packing"]
+    # start mid-game and run several games together (at step 100: 7% legal moves against 16%).
+    # Step 4: 8 micro-batches of one game per rank and step; --accumulate_unsharded gathers each layer
+    # once per step instead of once per micro-batch, as DDP's no_sync (04_fsdp/README.md, section 3)
+    unsharded = ["--accumulate_unsharded"] if args.step == 4 else []
+    return launcher + [f"--{name}={value}" for name, value in options.items()] + ["--no_packing"] + unsharded
 
 
 def untrained_figures(output):
@@ -236,7 +240,10 @@ def parse_arguments(argv=None):
     parser.add("quick", action="store_true", help="a few steps on a few games (seconds); says nothing about learning; "
                "its settings give way to the options given with it")
     parser.add("nproc", type=int, choices=[1, 2], default=2,
-               help="2: 03_ddp/train.py on 2 ranks; 1: 02_singlegpu/train.py")
+               help="2: 03_ddp/train.py on 2 ranks (or --step 4's); 1: 02_singlegpu/train.py")
+    parser.add("step", type=int, choices=sorted(SCRIPTS), default=None,
+               help="the step script that trains: 3 (DDP) or 4 (FSDP, FULL_SHARD) on 2 ranks, 2 on one process "
+                    "(default: 3, or 2 with --nproc 1)")
     parser.add("notation", choices=NOTATIONS, default="piece", help="how the games are written (common/notation.py)")
     parser.add("layers", type=at_least(1), default=8, help="decoder layers of the model")
     parser.add("hidden", type=at_least(8), default=128, help="hidden size of the model: a multiple of 8 (4 heads of an "
@@ -271,6 +278,11 @@ def parse_arguments(argv=None):
     if args.learn_games and Path(args.learn_games).is_dir():
         raise UserError(f"--learn_games {args.learn_games} is a folder: it takes a Parquet file of games, as "
                         "01_download/chess_learn.parquet (or '' for none)")
+    if args.step is None:
+        args.step = 2 if args.nproc == 1 else 3
+    if (args.step == 2) != (args.nproc == 1):
+        raise UserError(f"--step {args.step} with --nproc {args.nproc}: step 2 trains in one process (--nproc 1), "
+                        "steps 3 and 4 on 2 ranks (--nproc 2)")
     if args.learn_games and not Path(args.learn_games).is_file():
         raise UserError(f"{args.learn_games} does not exist: it ships with the repo (make it again with the command "
                         "in 01_download/make_chess_sample.py's docstring), or pass --learn_games ''")
@@ -331,7 +343,8 @@ def main():
                f"{len(train):,} training games ({train_moves:,} moves), {len(held_out):,} held out; {args.max_steps} "
                f"steps of {args.total_batch_size} games (rows of up to {args.max_seq_length} tokens), "
                f"{args.optimizer} at a peak learning rate of {args.learning_rate:g}; "
-               f"{args.nproc} process{'es' if args.nproc > 1 else ''} x {threads} "
+               f"{SCRIPTS[args.step].relative_to(REPO)} on {args.nproc} "
+               f"process{'es' if args.nproc > 1 else ''} x {threads} "
                f"thread{'s' if threads > 1 else ''}. Legal greedy moves on {every['positions']:,} held-out positions: "
                f"{100 * every['model']:.1f}% after {points[-1][0]:,} tokens ({100 * every['model_strict']:.1f}% with "
                f"a wrong `+` first counted illegal; trigram table {100 * every['baseline']:.1f}%). Wall time "

@@ -48,6 +48,7 @@ FULL_STEPS, QUICK_STEPS = 20, 3
 ROUNDS = 2  # of the runs the targets compare (the full benchmark)
 QUICK_BLOCKS = [("wide vocab", 2)]  # --quick: the block with every compared run, and its model's bytes
 UNSHARDED = "--accumulate_unsharded"
+MUON = ["--optimizer", "muon"]
 MICRO_BATCHES = 2  # of the bytes measurement's optimiser steps
 SHARD_GROUP_SIZE = 2  # HYBRID_SHARD's ranks per shard group in the bytes measurement (4 ranks: 2 x 2, as the runs)
 
@@ -71,8 +72,8 @@ def block(model, accumulation):
 
     def fsdp(ranks, strategy, *extra):
         name = f"fsdp {strategy} x{ranks}" + (" no packing" if "--no_packing" in extra else "")
-        return on(ranks, "fsdp", name + (f" {UNSHARDED}" if UNSHARDED in extra else ""),
-                  "--sharding_strategy", strategy, *extra)
+        name += (f" {UNSHARDED}" if UNSHARDED in extra else "") + (" muon" if MUON[1] in extra else "")
+        return on(ranks, "fsdp", name, "--sharding_strategy", strategy, *extra)
 
     compared = [on(2, "ddp", "ddp x2"), fsdp(2, "FULL_SHARD"),
                 # Both sides of the trade-off: communicate once per optimiser step, at a memory cost.
@@ -81,7 +82,9 @@ def block(model, accumulation):
                 # the Trainer fed our packed rows: the first is the target's yardstick, the second isolates
                 # the training loops.
                 on(2, "hf_trainer", "hf_trainer fsdp x2"),
-                on(2, "hf_trainer", "hf_trainer fsdp x2 packed", "--packing")]
+                on(2, "hf_trainer", "hf_trainer fsdp x2 packed", "--packing"),
+                # Muon on FSDP's shards (each matrix orthogonalised once, by one rank) against DDP's whole matrices
+                *([on(2, "ddp", "ddp x2 muon", *MUON), fsdp(2, "FULL_SHARD", *MUON)] if model == "built-in" else [])]
     others = [on(1, "single", "single"), fsdp(2, "SHARD_GRAD_OP"), fsdp(2, "NO_SHARD"),
               fsdp(2, "FULL_SHARD", "--no_packing"),
               # HYBRID_SHARD on 2 ranks of one node is one shard group of 2: FULL_SHARD. On 4: 2 x 2.
@@ -208,11 +211,13 @@ def measure_bytes(model, model_dir, ranks, args):
 
 
 def state_key(row):
-    """Which bytes measurement belongs to a run: DDP or its strategy (None: not measured)."""
+    """Which bytes measurement belongs to a run: DDP or its strategy, with Muon "FULL_SHARD muon"
+    (None: not measured)."""
+    muon = MUON[1] in row["arguments"]
     if "ddp" in row["script"]:
-        return "DDP"
+        return None if muon else "DDP"
     if "fsdp/train" in row["script"]:
-        return row["arguments"][row["arguments"].index("--sharding_strategy") + 1]
+        return row["arguments"][row["arguments"].index("--sharding_strategy") + 1] + (" muon" if muon else "")
     return None
 
 
@@ -245,6 +250,11 @@ def check_targets(rows, state_bytes):
                     ratio_target(f"{label} tokens/s ≥ 1.0 × the HF Trainer's on the same packed rows, 2 ranks", 1.0,
                                  full, packed)]
                 targets += [(model, accumulation, *found) for found in found if found]
+            # With one micro-batch per step the optimiser's share of a step is the largest; with more, FSDP's
+            # gathers per micro-batch dominate whatever the optimiser (the AdamW row above)
+            muon = ratio_target("FSDP FULL_SHARD tokens/s ≥ 0.8 × DDP's, both with --optimizer muon, 2 ranks",
+                                0.8 if accumulation == 1 else None, get("fsdp FULL_SHARD x2 muon"), get("ddp x2 muon"))
+            targets += [(model, accumulation, *muon)] if muon else []
     for model in MODELS:
         for ranks, measured in sorted(state_bytes.get(model, {}).items()):
             ratio = measured["FULL_SHARD"]["total"] / (measured["DDP"]["total"] / ranks)
@@ -513,8 +523,8 @@ def measure_process():
     """One rank of the bytes measurement: DDP as 03_ddp wraps the model, each FSDP strategy and
     FULL_SHARD --accumulate_unsharded with 04_fsdp/train.py's build_mesh and shard_model, LoRA with
     05_lora/train.py's add_lora (its default rank and layers) sharded FULL_SHARD, all in fp32 as on
-    the CPU. Rank 0 writes {moment: {configuration: {part: [bytes of rank 0, rank 1, ...]}}}.
-    Tensors only: no allocator slack, no DDP gradient buckets."""
+    the CPU; FULL_SHARD and LoRA again with --optimizer muon. Rank 0 writes {moment: {configuration:
+    {part: [bytes of rank 0, rank 1, ...]}}}. Tensors only: no allocator slack, no DDP gradient buckets."""
     import gc
 
     import torch
@@ -541,7 +551,9 @@ def measure_process():
     strategies = [s for s in fsdp.STRATEGIES if hybrid or s != "HYBRID_SHARD"]
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     results = {"after_step": {}, "between_micro_batches": {}}
-    for configuration in ["DDP", *strategies, f"FULL_SHARD {UNSHARDED}", "LoRA"]:
+    for name in ["DDP", *strategies, f"FULL_SHARD {UNSHARDED}", "LoRA", "FULL_SHARD muon", "LoRA muon"]:
+        configuration = name.removesuffix(" muon")
+        settings.optimizer = "muon" if name.endswith(" muon") else "adamw"
         torch.manual_seed(0)
         model = load_model(args.model)
         ids = torch.randint(4, model.config.vocab_size, (2, 16),
@@ -559,7 +571,7 @@ def measure_process():
         for moment, held in two_steps(model, optimizer, configuration, ids).items():
             per_rank = [None] * world_size
             dist.all_gather_object(per_rank, held)
-            results[moment][configuration] = {part: [p[part] for p in per_rank] for part in held}
+            results[moment][name] = {part: [p[part] for p in per_rank] for part in held}
         del model, optimizer
         gc.collect()  # a sharded model sits in reference cycles: free it before the process group goes
     if dist.get_rank() == 0:

@@ -36,8 +36,9 @@ def test_full_benchmark_covers_every_configuration_at_each_accumulation_with_one
         for accumulation in run.ACCUMULATIONS:
             mine = [r for r in compared if (r.model, r.accumulation) == (model, accumulation)]
             unsharded = ["fsdp FULL_SHARD x2 --accumulate_unsharded"] if accumulation > 1 else []
+            muon = ["ddp x2 muon", "fsdp FULL_SHARD x2 muon"] if model == "built-in" else []
             assert [r.name for r in mine] == ["ddp x2", "fsdp FULL_SHARD x2", *unsharded, "hf_trainer fsdp x2",
-                                              "hf_trainer fsdp x2 packed"]  # the targets' runs
+                                              "hf_trainer fsdp x2 packed", *muon]  # the targets' runs
             names = [r.name for r in mine + [r for r in others if (r.model, r.accumulation) == (model, accumulation)]]
             assert len(set(names)) == len(names)  # each writes its own folder and table row
             for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):

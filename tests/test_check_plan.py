@@ -56,7 +56,10 @@ AGREEMENT = [(2, 1, "FULL_SHARD", ()), (2, 1, "FULL_SHARD", ("--gradient_checkpo
              (2, 2, "HYBRID_SHARD", ()), (4, 1, "FULL_SHARD", ("--cpu_offload", "--gradient_checkpointing")),
              (4, 1, "FULL_SHARD", ("--total_batch_size", 24)),
              (4, 1, "FULL_SHARD", ("--total_batch_size", 24, "--accumulate_unsharded")),
-             (4, 1, "SHARD_GRAD_OP", ("--lora", "--total_batch_size", 16, "--accumulate_unsharded"))]
+             (4, 1, "SHARD_GRAD_OP", ("--lora", "--total_batch_size", 16, "--accumulate_unsharded")),
+             # Muon: its momentum, and its buckets during the step (the peak on one GPU, where AdamW's copy is small)
+             (1, 1, "FULL_SHARD", ("--optimizer", "muon")), (4, 1, "FULL_SHARD", ("--optimizer", "muon")),
+             (2, 2, "HYBRID_SHARD", ("--lora", "--optimizer", "muon"))]
 
 
 @pytest.mark.quick
@@ -97,6 +100,23 @@ def test_hybrid_mesh_and_many_ranks(small_config):
     assert hybrid["state"] == em.sharded_state_bytes(em.fsdp_units(shape), 4) and hybrid["shard_group_size"] == 4
     many = run_plan(plan_options(small_config, "--gpus_per_node", 8, "--nodes", 64))
     assert many["ranks"] == 512 and many["state"] == em.sharded_state_bytes(em.fsdp_units(shape), 512)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("extra", [("--gpus_per_node", 1), ("--gpus_per_node", 4),
+                                   ("--gpus_per_node", 4, "--lora", "--lora_rank", 2)])
+def test_muons_momentum_and_buckets_are_counted(small_config, extra):
+    """--optimizer muon: 4 bytes of momentum per element of the decoder's matrices (LoRA: the
+    adapters' elements, cut over more ranks than their rows) and AdamW's 8 for the rest, to the
+    byte; during the step Muon's buckets, as estimate_memory.py's formula counts them (10%)."""
+    args = plan_options(small_config, "--optimizer", "muon", *extra)
+    result = run_plan(args)
+    shape = em.model_shape(em.load_config(str(small_config))[0], "small")
+    units = em.fsdp_units(shape, args.lora_rank if args.lora else None, args.lora_target_modules)
+    assert result["state"]["optimizer"] == em.sharded_state_bytes(units, args.gpus_per_node, "muon")["optimizer"]
+    assert result["state"]["optimizer"] < em.sharded_state_bytes(units, args.gpus_per_node)["optimizer"]
+    measured = result["phases"]["step 2, optimizer step"]["optimizer_temporaries"]
+    assert measured == pytest.approx(result["estimate"]["optimizer_step_temporaries"], rel=0.1)
 
 
 # ---- the verdict ----------------------------------------------------------------------------------
@@ -210,12 +230,14 @@ def real_state_bytes(demo, tmp_path_factory):
     return json.loads(out.read_text())["after_step"]
 
 
-@pytest.mark.parametrize("configuration", ["FULL_SHARD", "SHARD_GRAD_OP", "LoRA"])
+@pytest.mark.parametrize("configuration", ["FULL_SHARD", "SHARD_GRAD_OP", "LoRA", "FULL_SHARD muon", "LoRA muon"])
 def test_real_state_bytes_equal_the_plan_check(demo, real_state_bytes, configuration):
-    lora = configuration == "LoRA"
+    """Muon's state too: its momentum for the decoder's matrices (LoRA: the adapters), AdamW's for the rest."""
+    lora, muon = configuration.startswith("LoRA"), configuration.endswith("muon")
     args = cp.parse_arguments(["--model", str(demo / "model"), "--gpus_per_node", "2", "--max_seq_length", "16",
                                "--precision", "fp32", "--sharding_strategy",
-                               "FULL_SHARD" if lora else configuration] + (["--lora"] if lora else []))
+                               "FULL_SHARD" if lora or muon else configuration] + (["--lora"] if lora else [])
+                              + (["--optimizer", "muon"] if muon else []))
     planned = run_plan(args)["state"]
     measured = real_state_bytes[configuration]
     for part in ("parameters", "gradients", "optimizer"):

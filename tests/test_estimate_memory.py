@@ -4,6 +4,7 @@ activation count is what autograd really keeps, and its arithmetic and command l
 The measurement is a real multi-process run: this file, started by torchrun, is its own helper
 (see `measure` at the bottom)."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -174,6 +175,22 @@ def test_codellama_parameter_count_from_the_meta_model(codellama):
     assert codellama.num_layers == 32
     state = em.sharded_state_bytes(em.fsdp_units(codellama), 8)  # 16 bytes per parameter over 8 GPUs
     assert sum(state.values()) / GiB == pytest.approx(16 * CODELLAMA_PARAMS / 8 / GiB, rel=1e-4)
+
+
+@pytest.mark.quick
+def test_muon_keeps_4_bytes_for_the_decoders_matrices_and_one_bucket_in_its_step(codellama):
+    """--optimizer muon: momentum for the 224 decoder matrices, AdamW's 8 B for the embedding, the
+    head and the norms; during the step one MLP matrix per rank, whole, in bf16 (04_fsdp/MEMORY.md)."""
+    matrices = sum(math.prod(shape) for shape in em.muon_matrices(em.fsdp_units(codellama)))
+    assert len(em.muon_matrices(em.fsdp_units(codellama))) == 224 and matrices == 6_476_005_376
+    muon = em.estimate(codellama, gpus_per_node=8, optimizer="muon")
+    adamw = em.estimate(codellama, gpus_per_node=8)
+    assert muon["optimizer"] == adamw["optimizer"] - 4 * matrices / 8
+    mlp, short = 11008 * 4096, 4096
+    assert muon["optimizer_step_temporaries"] == 2 * (2 * mlp + 3 * mlp + 2 * short ** 2)
+    assert em.estimate(codellama, gpus_per_node=16, optimizer="muon")["optimizer_step_temporaries"] \
+        == muon["optimizer_step_temporaries"]  # still one MLP matrix per rank and bucket
+    assert muon["peak"] < adamw["peak"]
 
 
 @pytest.mark.quick

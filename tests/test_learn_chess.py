@@ -188,3 +188,23 @@ def test_bad_options_are_one_line_before_any_work(tmp_path, options, says):
     assert result.returncode == 2 and result.stdout == "", result.stderr
     assert result.stderr.startswith(f"error: {says}") and result.stderr.count("\n") == 1, result.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.quick
+def test_step_picks_the_training_script():
+    """--step 4 trains with 04_fsdp/train.py on 2 ranks (the learning run on FSDP's shards, Muon
+    orthogonalising each matrix on its owner); step 2 is one process; the two options must agree."""
+    from benchmark import learn_chess
+    from common.errors import UserError
+
+    def script(*argv):
+        args = learn_chess.parse_arguments(["--learn_games", "", *argv])
+        return args.step, learn_chess.train_command(args, "m", "d", "r")
+    assert script()[0] == 3 and "03_ddp/train.py" in " ".join(script()[1])
+    step, command = script("--step", "4")
+    assert step == 4 and str(REPO / "04_fsdp/train.py") in command and "--nproc-per-node=2" in command
+    step, command = script("--nproc", "1")
+    assert step == 2 and command[1] == str(REPO / "02_singlegpu/train.py")
+    for mismatch in (["--step", "2"], ["--step", "4", "--nproc", "1"]):
+        with pytest.raises(UserError, match="^--step"):
+            learn_chess.parse_arguments(["--learn_games", "", *mismatch])

@@ -32,6 +32,7 @@ RUN = [
     (REFUSED, {2}),
     (r"^python submit\.py .*--dry-run$", {0}),
     (r"^python benchmark/sweep\.py --slurm .*--dry-run$", {0}),
+    (r"^python benchmark/muon_step\.py$", {0}),
 ]
 
 # Commands not run here, and why. A command may match several; every entry must match one.
@@ -65,6 +66,8 @@ SKIPPED = {
     r"^python -m torch\.distributed\.flight_recorder\.fr_trace ": "reads the Flight Recorder dumps of a hung NCCL job "
                                                                  "(tests/test_hang.py makes gloo's)",
     r"^python benchmark/sweep\.py$": "the sweep: minutes (tests/test_sweep.py runs a tiny one)",
+    r"^torchrun --nproc-per-node 2 benchmark/muon_step\.py$": "Muon's designs timed: a minute (tests/test_muon.py "
+                                                              "runs it with --steps 1)",
     r"^python benchmark/sweep\.py --slurm (?!.*--dry-run)": "submits a job array: needs Slurm",
     r"^python benchmark/sweep\.py --collect ": "needs a finished sweep on Slurm (tests/test_sweep.py collects one)",
 }

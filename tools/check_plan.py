@@ -182,7 +182,8 @@ def build(args, step, mesh, config, fake_mode, accumulation):
         if not getattr(args, "qlora", False):  # QLoRA's units have their (fake) storage already
             model.to_empty(device="cpu")
         # One tensor at a time, which fake tensors count exactly (summarise adds the multi-tensor step's copy).
-        optimizer = make_optimizer(model, args, foreach=False)
+        # Muon's Newton-Schulz in bf16, as on a GPU.
+        optimizer = make_optimizer(model, args, foreach=False, newton_schulz_dtype=torch.bfloat16)
     return model, optimizer
 
 
@@ -290,7 +291,7 @@ def plan(args, gpus_per_node, nodes=1, step="fsdp", gpu_memory_gib=None):
         shard_group_size=args.shard_group_size or gpus_per_node, precision=args.precision or "bf16",
         max_seq_length=args.max_seq_length, batch_size_per_device=args.batch_size_per_device,
         accumulation=accumulation, gradient_checkpointing=args.gradient_checkpointing, cpu_offload=args.cpu_offload,
-        accumulate_unsharded=args.accumulate_unsharded, gpu_memory_gib=gpu_memory_gib,
+        accumulate_unsharded=args.accumulate_unsharded, optimizer=args.optimizer, gpu_memory_gib=gpu_memory_gib,
         needed=estimate_memory.needed_bytes(result["peak"]),
         fits=estimate_memory.fits(result["peak"], gpu_memory_gib))
     # The formulas' figures for the same job, and, where it does not fit, the changes that would fit
@@ -357,17 +358,18 @@ def verdict_line(result):
 
 def summarise(phase_peaks, state, offloaded, multi_tensor_copy=0):
     """The peak over step 2's phases, what made it up, and each phase's peak and its parts. On the
-    GPU the optimizer step is multi-tensor: its temporaries are `multi_tensor_copy` (every
-    exp_avg_sq), in place of the one-tensor-at-a-time step's that the fake run measured."""
+    GPU AdamW's step is multi-tensor: its temporaries are `multi_tensor_copy` (every exp_avg_sq) in
+    place of the one-tensor-at-a-time step's, or Muon's buckets that the fake run measured, the larger."""
     def parts(phase, gpu, snapshot):
         on_gpu = {"total": gpu, **{name: snapshot.get(key, 0) for key, name in CATEGORIES.items()
                                    if not (offloaded and key in OFFLOADED)}}
         if not offloaded:  # during the step AdamW's temporaries are filed with its state: part them
             on_gpu["optimizer_temporaries"] = max(0, on_gpu["optimizer_state"] - state["optimizer"])
             on_gpu["optimizer_state"] -= on_gpu["optimizer_temporaries"]
-            if phase.endswith("optimizer step"):
-                on_gpu["total"] += multi_tensor_copy - on_gpu["optimizer_temporaries"]
-                on_gpu["optimizer_temporaries"] = multi_tensor_copy
+            if phase.endswith("optimizer step"):  # Muon's buckets, then AdamW's copy: one after the other
+                step_temporaries = max(on_gpu["optimizer_temporaries"], multi_tensor_copy)
+                on_gpu["total"] += step_temporaries - on_gpu["optimizer_temporaries"]
+                on_gpu["optimizer_temporaries"] = step_temporaries
         return on_gpu
     phases = {phase: parts(phase, gpu, snapshot) for phase, (gpu, snapshot) in phase_peaks.items()}
     peak_at = max(phases, key=lambda phase: phases[phase]["total"])
@@ -384,7 +386,7 @@ COMPARE_RANKS = [1, 2, 4, 8, 64]
 # The options of a plan check that are the step script's own, with the same names and meaning.
 JOB_OPTIONS = ("model", "sharding_strategy", "shard_group_size", "precision", "max_seq_length",
                "batch_size_per_device", "gradient_checkpointing", "cpu_offload", "accumulate_unsharded",
-               "trust_remote_code", "lora_rank", "lora_target_modules")
+               "trust_remote_code", "lora_rank", "lora_target_modules", "optimizer")
 
 
 def training_arguments(args, gpus_per_node, nodes, **changes):
@@ -414,10 +416,12 @@ def report(result):
              f"{result['batch_size_per_device']} per GPU x {result['accumulation']} micro-batch(es) per step"
              + (" kept unsharded between them" if result["accumulate_unsharded"] else "")
              + (", activation checkpointing" if result["gradient_checkpointing"] else "")
-             + (", CPU offload" if result["cpu_offload"] else ""),
+             + (", CPU offload" if result["cpu_offload"] else "")
+             + (", Muon" if result["optimizer"] == "muon" else ""),
              f"measured on fake tensors: two optimiser steps of the training code in {result['seconds']:.0f} s", "",
              f"rank 0's GPU at the peak, {result['peak_at']}:"]
-    lines += [f"  {LABELS[name]:60s} {size(value):>10s}" for name, value in result["at_peak"].items() if value]
+    labels = {**LABELS, "optimizer_state": f"{estimate_memory.OPTIMIZER_STATE[result['optimizer']]} (fp32 shards)"}
+    lines += [f"  {labels[name]:60s} {size(value):>10s}" for name, value in result["at_peak"].items() if value]
     lines += [f"  {'peak':60s} {size(result['peak']):>10s}",
               f"  {'margin (3 GiB CUDA context/NCCL + 10 % fragmentation)':60s} "
               f"{size(result['needed'] - result['peak']):>10s}", f"  {'needed':60s} {size(result['needed']):>10s}", "",

@@ -74,6 +74,11 @@ s = sequence length, b = batch size per GPU, V = vocabulary:
 Optimizer step. Multi-tensor (foreach) AdamW, the default on GPU, makes one temporary copy of
 exp_avg_sq: 4 B per sharded trainable parameter.
 
+--optimizer muon: Muon's momentum, 4 B per element of the decoder's trainable matrices (with LoRA
+the adapters), AdamW's 8 B for the rest. During the step Muon holds one bucket of whole matrices
+at a time (muon_step_bytes; on the GPU also with --cpu_offload): the step's temporary is the larger
+of that and AdamW's foreach copy for its own parameters.
+
 Peak per GPU: the largest of four moments. "State" is the sharded parameters and AdamW state,
 plus the gradients of earlier micro-batches when accumulating (zero_grad(set_to_none) frees the
 last step's):
@@ -105,12 +110,14 @@ from common.arguments import Parser
 from common.batch import gradient_accumulation_steps
 from common.errors import UserError, exit_on_user_error, first_line
 from common.model import check_max_seq_length, config_warnings_refused
+from common.optim import buckets
 
 REPO = Path(__file__).resolve().parents[1]
 GiB = 1024 ** 3
 STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
 COMPUTE_BYTES = {"bf16": 2, "fp32": 4}  # the dtype FSDP gathers weights in and runs layers in
 PARAM_BYTES, GRAD_BYTES, ADAMW_BYTES = 4, 4, 8  # fp32 master weights, fp32 gradients, exp_avg + exp_avg_sq
+MUON_BYTES = 4  # --optimizer muon: one fp32 momentum buffer per matrix element
 REDUCE_BYTES = 4  # MixedPrecisionPolicy(reduce_dtype=fp32)
 # QLoRA: 4 bits per frozen weight, an 8-bit scale per 64 weights and an fp32 per 256 scales, all sharded
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
@@ -269,14 +276,48 @@ def sharded_bytes(shapes, degree, bytes_per_element):
     return total
 
 
-def sharded_state_bytes(units, degree):
-    """The per-GPU parameter, gradient and AdamW bytes that live for the whole run."""
+def muon_matrices(units):
+    """The shapes --optimizer muon gives Muon: the trainable matrices of the decoder layers (the
+    embedding and the head, in the root unit, map tokens and stay AdamW's: common/optim.py)."""
+    return [p.shape for unit in units[1:] for p in unit if p.trainable and len(p.shape) == 2]
+
+
+def sharded_state_bytes(units, degree, optimizer="adamw"):
+    """The per-GPU parameter, gradient and optimizer (AdamW's, or Muon's and AdamW's) bytes that
+    live for the whole run."""
     params = [p for unit in units for p in unit]
     trainable = [p.shape for p in params if p.trainable]
+    muon = muon_matrices(units) if optimizer == "muon" else []
+    adamw = list(trainable)
+    for shape in muon:
+        adamw.remove(shape)
     stored = sum(sharded_bytes([p.shape], degree, p.bytes) for p in params)
     return {"parameters": int(stored),
             "gradients": sharded_bytes(trainable, degree, GRAD_BYTES),
-            "optimizer": sharded_bytes(trainable, degree, ADAMW_BYTES)}
+            "optimizer": sharded_bytes(adamw, degree, ADAMW_BYTES) + sharded_bytes(muon, degree, MUON_BYTES)}
+
+
+def muon_step_bytes(shapes, degree, compute_bytes):
+    """Muon's buffers during its step on the busiest rank (common/optim.py). Sharded (degree > 1):
+    per bucket, the whole matrices the rank owns (O elements) twice (received, and cut to go
+    back), and Newton-Schulz on the largest (L elements, short side s): the matrix and two
+    iterates, the Gram matrix and its update; in Newton-Schulz's dtype (bf16 on a GPU): the most
+    of c x (2 O + 3 L + 2 s^2) over the buckets. Whole (degree 1): the fp32 momentum update, its
+    cast and Newton-Schulz, one matrix at a time."""
+    if not shapes:
+        return 0
+    if degree == 1:
+        return max((PARAM_BYTES + compute_bytes) * math.prod(shape)
+                   + compute_bytes * (3 * math.prod(shape) + 2 * min(shape) ** 2) for shape in shapes)
+    most = 0
+    for owned in buckets([math.prod(shape) for shape in shapes], degree):
+        for indices in owned:
+            mine = [shapes[i] for i in indices]
+            if mine:
+                largest = max(mine, key=math.prod)
+                most = max(most, compute_bytes * (2 * sum(map(math.prod, mine)) + 3 * math.prod(largest)
+                                                  + 2 * min(largest) ** 2))
+    return most
 
 
 # ---- what exists only while the model runs ------------------------------------------------------
@@ -308,7 +349,8 @@ def layer_activation_bytes_per_token(shape, compute_bytes, attention, seq_length
 
 def estimate(shape, strategy="FULL_SHARD", gpus_per_node=1, nodes=1, precision="bf16", seq_length=4096,
              batch_size=1, gradient_checkpointing=False, cpu_offload=False, attention="sdpa", accumulation=1,
-             shard_group_size=None, accumulate_unsharded=False, lora_rank=None, lora_targets=(), qlora=False):
+             shard_group_size=None, accumulate_unsharded=False, lora_rank=None, lora_targets=(), qlora=False,
+             optimizer="adamw"):
     """Per-GPU bytes of every part, of the four moments that can be the peak, and the peak; host
     RAM per node for an offloaded state. All in bytes. lora_rank=None: full fine-tuning. The
     moments and their parts are those of the module docstring."""
@@ -316,7 +358,7 @@ def estimate(shape, strategy="FULL_SHARD", gpus_per_node=1, nodes=1, precision="
     tokens, layers, lora = seq_length * batch_size, shape.num_layers, lora_rank is not None
     degree = shard_degree(strategy, gpus_per_node, nodes, shard_group_size)
     units = fsdp_units(shape, lora_rank, lora_targets, qlora)
-    state = sharded_state_bytes(units, degree)
+    state = sharded_state_bytes(units, degree, optimizer)
     keep = accumulate_unsharded and accumulation > 1  # until the last micro-batch nothing is re-sharded
     on_gpu = 0 if cpu_offload else 1  # offloaded: the sharded state is in host RAM
 
@@ -342,7 +384,11 @@ def estimate(shape, strategy="FULL_SHARD", gpus_per_node=1, nodes=1, precision="
     head_backward = tokens * (norm + 3 * 4 * vocab)  # log-softmax, its gradient, one temporary (fp32)
     layer_backward = tokens * c * (2 * h + 4 * i)  # gradients of a layer's output and its MLP's tensors
 
-    step_temporaries = 0 if cpu_offload else state["optimizer"] // 2  # foreach AdamW: a copy of exp_avg_sq
+    # foreach AdamW: a copy of exp_avg_sq (offloaded: none, the step runs on the CPU); then Muon's buckets
+    # on the GPU, with or without offload
+    muon = muon_matrices(units) if optimizer == "muon" else []
+    adamw_state = state["optimizer"] - sharded_bytes(muon, degree, MUON_BYTES)
+    step_temporaries = max(0 if cpu_offload else adamw_state // 2, muon_step_bytes(muon, degree, c))
     gradients_before = state["gradients"] if accumulation > 1 and not keep else 0  # earlier micro-batches'
     base = on_gpu * (state["parameters"] + state["optimizer"] + gradients_before) + kept_gradients
     growing = 0 if gradients_before or keep else on_gpu * layer_gradients * (layers - 1) // layers
@@ -375,7 +421,7 @@ def estimate_job(shape, args, gpus_per_node, nodes, lora=False, attention="sdpa"
                     attention, accumulation, args.shard_group_size, args.accumulate_unsharded,
                     lora_rank=args.lora_rank if lora else None,
                     lora_targets=targets.split(",") if isinstance(targets, str) else targets,
-                    qlora=lora and getattr(args, "qlora", False))
+                    qlora=lora and getattr(args, "qlora", False), optimizer=getattr(args, "optimizer", "adamw"))
 
 
 def needed_bytes(peak):
@@ -402,6 +448,11 @@ def loading_bytes(shape):
 
 # ---- printing -------------------------------------------------------------------------------------
 
+OPTIMIZER_STATE = {"adamw": "AdamW exp_avg + exp_avg_sq", "muon": "Muon momentum, AdamW's moments"}
+STEP_TEMPORARIES = {("adamw", False): "foreach AdamW", ("adamw", True): "the step runs on the CPU",
+                    ("muon", False): "Muon's bucket, or foreach AdamW's copy", ("muon", True): "Muon's bucket"}
+
+
 def gib(n):
     return f"{n / GiB:.2f}"
 
@@ -414,9 +465,10 @@ def setup_line(args, accumulation):
         micro = f"{accumulation} micro-batches per step" if accumulation > 1 else "1 micro-batch per step"
     unsharded = ", --accumulate_unsharded" if args.accumulate_unsharded else ""
     offload = ", CPU offload" if args.cpu_offload else ""
-    tuning = "full fine-tuning"
+    tuning = "full fine-tuning" + (", Muon" if args.optimizer == "muon" else "")
     if args.lora:
-        tuning = f"{'QLoRA' if args.qlora else 'LoRA'} r={args.lora_rank} on {','.join(args.lora_target_modules)}"
+        tuning = (f"{'QLoRA' if args.qlora else 'LoRA'} r={args.lora_rank} on {','.join(args.lora_target_modules)}"
+                  + (", Muon" if args.optimizer == "muon" else ""))
     return (f"{tuning}, {args.precision} compute, sequence {args.max_seq_length}, batch "
             f"{args.batch_size_per_device} per GPU, {micro}{unsharded}, {checkpointing}, {args.attention} "
             f"attention{offload}")
@@ -439,15 +491,15 @@ def report(shape, source, args):
     parts = [
         (f"parameters ({where}, {share}){frozen}", est["parameters"]),
         (f"gradients ({where}, {share}, trainable parameters)", est["gradients"]),
-        (f"optimizer state (AdamW exp_avg + exp_avg_sq, {where}, {share})", est["optimizer"]),
+        (f"optimizer state ({OPTIMIZER_STATE[args.optimizer]}, {where}, {share})", est["optimizer"]),
         (f"gathered parameters ({args.precision}: {gathered})", est["gathered_parameters"]),
         (f"unsharded gradients ({unsharded})", est["unsharded_gradients"]),
         (f"activations ({layers})", est["activations_kept"]),
         ("activations of the layer recomputed in backward", est["activations_recomputed"]),
         ("activations (final norm, logits, loss)", est["activations_head"]),
         ("backward temporaries (gradients of one layer's activations)", est["backward_temporaries"]),
-        ("optimizer step temporaries (foreach AdamW)" if not args.cpu_offload
-         else "optimizer step temporaries (the step runs on the CPU)", est["optimizer_step_temporaries"]),
+        (f"optimizer step temporaries ({STEP_TEMPORARIES[args.optimizer, args.cpu_offload]})",
+         est["optimizer_step_temporaries"]),
     ]
     moments = [(label, est[key]) for key, label in MOMENT_LABELS.items()]
     needed = needed_bytes(est["peak"])
@@ -525,6 +577,9 @@ def add_job_options(parser):
     parser.add("cpu_offload", action="store_true", help="FSDP2 CPUOffloadPolicy: sharded state in host RAM")
     parser.add("accumulate_unsharded", action="store_true",
                help="keep gathered weights and whole fp32 gradients between micro-batches, as train.py's option")
+    parser.add("optimizer", choices=["adamw", "muon"], default="adamw",
+               help="as train.py's: adamw, or muon (Muon for the decoder's matrices or LoRA's adapters, AdamW for "
+                    "the rest)")
     parser.add("lora", action="store_true", help="step 5: LoRA adapters on a frozen model")
     parser.add("lora_rank", type=int, default=LORA_RANK, help="with --lora: rank r of the adapters")
     parser.add("lora_target_modules", default=LORA_TARGETS, help="with --lora: linear layers that get adapters")
