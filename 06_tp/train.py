@@ -11,7 +11,6 @@ as in step 4. The data, loss and optimiser step are those of steps 2 to 4.
 """
 import gc
 import os
-from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -41,7 +40,7 @@ from common.profiling import StepProfiler
 from common.process_group import init_process_group
 from common.sharded_loading import load_sharded_model
 from common.signals import StopFlag
-from common.tensor_parallel import check_tp_size, default_tp_size, whole_logits_outside_training
+from common.tensor_parallel import tp_size_for, whole_logits_outside_training
 
 # FSDP's strategies over the data-parallel dimension, as in step 4 (the mesh's other dimension
 # takes HYBRID_SHARD's place: the node's GPUs split the layers instead of holding replicas):
@@ -134,7 +133,7 @@ def parse_arguments(argv=None):
     return args
 
 
-def train_step(model, optimizer, micro_batches, args, device, autocast, dp_mesh):
+def train_step(model, optimizer, micro_batches, args, device, dp_mesh):
     """One optimiser step on this rank's micro-batches; returns the step's tokens, summed loss and
     gradient norm. The plan check (tools/check_plan.py) runs steps 4 to 6's on fake tensors.
     A tensor-parallel group shares its micro-batches: the sums run over the data-parallel ranks, dp_mesh."""
@@ -151,7 +150,7 @@ def train_step(model, optimizer, micro_batches, args, device, autocast, dp_mesh)
             last = i == len(micro_batches) - 1
             model.set_requires_gradient_sync(last)
             model.set_reshard_after_backward(last)
-        with autocast, loss_parallel():  # each rank's part of the logits; the softmax's sums are added over the group
+        with loss_parallel():  # each rank's part of the logits; the softmax's sums are added over the group
             loss = loss_sum(model, batch).to_local()  # the group's loss, the same on each of its ranks
             # FSDP averages gradients over the data-parallel ranks; × their count turns that average into the sum.
             (loss * dp_mesh.size() / step_tokens).backward()
@@ -183,8 +182,8 @@ def main():
     # in fp32 (MixedPrecisionPolicy); the sharded weights and AdamW's state stay fp32. Never cast
     # the model to bf16 before sharding: AdamW would then keep bf16 state.
     config, tokenizer, notation = load_model_files(args)  # and how the games are written: common/notation.py
-    tp_size = args.tp_size or default_tp_size(config, int(os.environ["LOCAL_WORLD_SIZE"]), device.type == "cuda")
-    check_tp_size(tp_size, world_size, config, args.model)  # whole heads and equal parts of the MLP on every rank
+    # Whole heads and equal parts of the MLP on every rank of a group (default: the GPUs of one node).
+    tp_size = tp_size_for(args, config, world_size, int(os.environ["LOCAL_WORLD_SIZE"]), device.type == "cuda")
     dp_size = world_size // tp_size  # the ranks that see different rows: the global batch is split dp_size ways
     accumulation = gradient_accumulation_steps(args.total_batch_size, args.batch_size_per_device, dp_size,
                                                ranks="data-parallel groups")
@@ -201,7 +200,6 @@ def main():
                                shard=lambda model: parallelize_and_shard(model, mesh, args.sharding_strategy,
                                                                          mp_policy),
                                trust_remote_code=args.trust_remote_code)
-    autocast = nullcontext()  # FSDP casts the weights; no autocast on top
     if args.accumulate_unsharded and accumulation > 1:  # gather each layer once per optimiser step,
         model.set_reshard_after_forward(False)  # keep it until the last micro-batch's backward
 
@@ -258,9 +256,8 @@ def main():
 
     def evaluate(stop_requested=None):
         """Validation loss and legal-move rate; None if every rank was asked to stop meanwhile."""
-        model.eval()
-        with autocast:
-            sums = evaluation.sums(model, device, stop_requested)
+        model.eval()  # the logits made whole (whole_logits_outside_training)
+        sums = evaluation.sums(model, device, stop_requested)
         model.train()
         if sums is None:
             return None
@@ -282,8 +279,7 @@ def main():
         with timer.waiting_for_data():
             micro_batches = [{k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
                              for _ in range(accumulation)]
-        step_tokens, step_loss, grad_norm = train_step(model, optimizer, micro_batches, args, device, autocast,
-                                                        mesh["dp"])
+        step_tokens, step_loss, grad_norm = train_step(model, optimizer, micro_batches, args, device, mesh["dp"])
         scheduler.step()
 
         # The step's one wait for the GPU: its figures, and whether any rank was asked to stop.

@@ -44,6 +44,13 @@ def check_tp_size(tp_size, world_size, config, model):
                         f"the MLP): choose one of {', '.join(map(str, fitting_tp_sizes(config, world_size)))}")
 
 
+def tp_size_for(args, config, world_size, ranks_per_node, on_gpu):
+    """--tp_size, or by default default_tp_size's; refused where it does not fit (check_tp_size)."""
+    tp_size = args.tp_size or default_tp_size(config, ranks_per_node, on_gpu)
+    check_tp_size(tp_size, world_size, config, args.model)
+    return tp_size
+
+
 def default_tp_size(config, ranks_per_node, on_gpu):
     """The GPUs of one node, where the fast links are; on the CPU 2, so that torchrun's 4 processes on
     one machine run both dimensions (2 x 2). Lowered to the largest size that divides the node's
