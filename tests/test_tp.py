@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import types
+from pathlib import Path
 
 import pytest
 
@@ -43,6 +44,7 @@ def test_same_losses_and_weights_as_one_process(single_reference, layouts, name)
     assert f"mesh {ranks // tp_size} × {tp_size}: tensor parallel over {tp_size} ranks" in layouts[name, "output"]
     assert read_metrics(layouts[name])[-1]["world_size"] == ranks
     assert_same_run(single_reference, layouts[name], tolerance=1e-5)  # the final model's tensors: whole, plain
+    print(f"{name}: {differences(single_reference, layouts[name])}")
     assert read_metrics(layouts[name])[-1]["eval_loss"] == pytest.approx(
         read_metrics(single_reference)[-1]["eval_loss"], abs=1e-5)
 
@@ -72,6 +74,17 @@ def test_preempted_at_2x2_resumes_at_1x4_and_at_4x1(demo, tmp_path, single_refer
         assert f"resuming from {run}/checkpoints/step-{stopped_at:06d}" in result.stdout + result.stderr
         assert f"mesh {4 // tp_size} × {tp_size}" in result.stdout + result.stderr
         assert_same_run(single_reference, run, tolerance=1e-5)
+        print(f"stopped at step {stopped_at} at 2 x 2, resumed at {4 // tp_size} x {tp_size}: "
+              f"{differences(single_reference, run)}")
+
+
+def differences(reference_dir, other_dir):
+    """The largest per-step loss and final weight differences, for the log (pytest -s)."""
+    from safetensors.torch import load_file
+    losses = max(abs(a["loss"] - b["loss"]) for a, b in zip(read_metrics(reference_dir), read_metrics(other_dir)))
+    ours, theirs = (load_file(Path(d) / "final/model.safetensors") for d in (reference_dir, other_dir))
+    weights = max((ours[k] - theirs[k]).abs().max().item() for k in ours)
+    return f"losses within {losses:.1e}, final weights within {weights:.1e}"
 
 
 def with_output(args, output_dir):
