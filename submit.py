@@ -4,15 +4,17 @@
     python submit.py --step ddp --gpus 2 --total_batch_size 32 -- --learning_rate 2e-5 --max_steps 200
     python submit.py --step fsdp --gpus 4 --nodes 2 --dry-run     # print the plan and the sbatch script
     python submit.py --step fsdp --gpus 8 --model codellama/CodeLlama-7b-hf -- --gradient_checkpointing
+    python submit.py --step tp --tp_size 4 --gpus 4 --nodes 2     # step 6: tensor parallel in each node
 
 One Slurm task per node runs torchrun, which starts one process per GPU; the training script
 works out the gradient accumulation that keeps the total batch the same at any GPU count, and
 submit.py prints it first, with the same function. Arguments after `--` go to the training
-script; its own parser checks them before anything is queued. For the FSDP steps (fsdp, lora) the
+script; its own parser checks them before anything is queued. For the FSDP steps (fsdp, lora, tp) the
 plan check (tools/check_plan.py) then runs the job's code on fake tensors, in seconds on the
 login node's CPU, and a job that cannot fit in --gpu_memory_gib is refused with what to change.
 Run it on the login node, after the download step (compute nodes are offline).
 """
+import argparse
 import io
 import math
 import os
@@ -28,12 +30,14 @@ import submitit
 from common.arguments import Parser
 from common.batch import describe, gradient_accumulation_steps
 from common.errors import UserError, exit_on_user_error, first_line
+from common.model import load_config
+from common.tensor_parallel import tp_size_for
 from launch.steps import REPO, TRAINING_STEPS, check_training_arguments
 from tools import check_plan
 from launch.step_launcher import PREEMPTION_SIGNAL, PREEMPTION_WARNING_S, StepLauncher
 
 # Training arguments that submit.py sets itself, from its own options of the same name.
-MANAGED_ARGUMENTS = ("model", "data_dir", "output_dir", "total_batch_size", "batch_size_per_device")
+MANAGED_ARGUMENTS = ("model", "data_dir", "output_dir", "total_batch_size", "batch_size_per_device", "tp_size")
 MAX_REQUEUES_AFTER_TIME_LIMIT = 20
 
 
@@ -41,11 +45,13 @@ def parse_arguments(argv):
     """submit.py's own options, and the training arguments after the first `--`."""
     own, training_args = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     parser = Parser(description=__doc__.split("\n\n")[0])
-    parser.usage = "%(prog)s --step {singlegpu,ddp,fsdp,lora} [options] [-- training arguments]"
+    parser.usage = "%(prog)s --step {singlegpu,ddp,fsdp,lora,tp} [options] [-- training arguments]"
     parser.add("step", required=True, choices=sorted(TRAINING_STEPS), help="which step to run")
     parser.add("job_name", help="the job's name in squeue (default: the step)")
     parser.add("gpus", type=int, default=1, help="GPUs per node")
     parser.add("nodes", type=int, default=1, help="nodes")
+    parser.add("tp_size", type=int, help="--step tp: GPUs of a node that split each layer (default: all of them, "
+               "lowered to what the model's heads and MLP divide by, as the training script chooses)")
     parser.add("total_batch_size", type=int, default=64, help="rows per optimiser step, over all GPUs")
     parser.add("batch_size_per_device", type=int, default=4, help="rows per forward pass on each GPU")
     parser.add("partition", help="Slurm partition (default: the cluster's default)")
@@ -107,6 +113,11 @@ def check_request(args):
     if args.step == "singlegpu" and (args.gpus != 1 or args.nodes != 1):
         raise UserError(f"--step singlegpu runs on one GPU of one node (got --gpus {args.gpus} --nodes {args.nodes}): "
                         "use --step ddp or --step fsdp for more")
+    if getattr(args, "tp_size", None) is not None and args.step != "tp":  # benchmark/sweep.py's jobs have none
+        raise UserError(f"--tp_size is step 6's (--step tp), not --step {args.step}'s")
+    if args.step == "tp" and args.tp_size is not None and (args.tp_size < 1 or args.gpus % args.tp_size):
+        raise UserError(f"--tp_size {args.tp_size} must divide the {args.gpus} GPUs of a node (--gpus): tensor "
+                        "parallelism stays inside a node, on its fast links")
     for argument in args.training_args:
         name = argument.split("=", 1)[0].removeprefix("--").replace("-", "_")
         if name in MANAGED_ARGUMENTS:
@@ -118,6 +129,16 @@ def check_request(args):
     if not (math.isfinite(gpu_memory_gib) and gpu_memory_gib > 0):
         raise UserError(f"--gpu_memory_gib must be a positive number of GiB, the memory of one GPU of the partition "
                         f"(got {gpu_memory_gib:g}; an A100 or H100 has 80)")
+
+
+def tensor_parallel_size(args, model):
+    """Step 6's tensor-parallel group size (1 for the other steps): --tp_size, or as the training
+    script chooses it on the nodes' GPUs (common/tensor_parallel.py), from the model's config."""
+    if args.step != "tp":
+        return 1
+    config = load_config(model, local_files_only=True)  # compute nodes are offline: it is on disk already
+    return tp_size_for(argparse.Namespace(tp_size=args.tp_size, model=model), config, args.gpus * args.nodes,
+                       args.gpus, on_gpu=True)
 
 
 def absolute(path):
@@ -191,20 +212,25 @@ def main(argv):
     check_sbatch_values(args)
     check_request(args)
     devices = args.gpus * args.nodes
-    accumulation = gradient_accumulation_steps(args.total_batch_size, args.batch_size_per_device, devices)
+    model = model_path(args.model)
+    tp_size = tensor_parallel_size(args, model)
+    groups = devices // tp_size  # the devices, or step 6's tensor-parallel groups: they share out the batch
+    accumulation = gradient_accumulation_steps(args.total_batch_size, args.batch_size_per_device, groups,
+                                               ranks="ranks" if args.step != "tp" else "data-parallel groups")
     timeout_min = time_limit_minutes(args.time)
     warning_s = preemption_warning_s(timeout_min)
-    model = model_path(args.model)
     data_dir, output_dir = absolute(args.data_dir), absolute(args.output_dir or f"runs/{args.step}-%j")
     training_args = ["--model", model, "--data_dir", data_dir, "--output_dir", output_dir,
                      "--total_batch_size", str(args.total_batch_size),
-                     "--batch_size_per_device", str(args.batch_size_per_device), *args.training_args]
+                     "--batch_size_per_device", str(args.batch_size_per_device), *args.training_args,
+                     *(["--tp_size", str(tp_size)] if args.step == "tp" else [])]
     job = check_training_arguments(args.step, training_args)
     if not args.dry_run and shutil.which("sbatch") is None:
         raise UserError("no Slurm here (sbatch not found): run this on the cluster's login node, or add --dry-run")
-    if args.step in ("fsdp", "lora") and not args.force:
+    if args.step in ("fsdp", "lora", "tp") and not args.force:
         # On several nodes, unless --sharding_strategy is given: HYBRID_SHARD where it fits, else FULL_SHARD.
-        choose = args.nodes > 1 and not check_plan.names_option(training_args, "--sharding_strategy")
+        choose = args.nodes > 1 and args.step != "tp" and not check_plan.names_option(training_args,
+                                                                                       "--sharding_strategy")
         check_plan.check_job(args.step, job, args.gpus, args.nodes, args.gpu_memory_gib, override="--force",
                              choose_sharding=choose)
         if choose:
@@ -214,7 +240,11 @@ def main(argv):
     launcher = StepLauncher(args.step, args.gpus, cpus_per_task, training_args, warning_s)
     print(f"step {args.step}: {args.nodes} node(s) × {args.gpus} GPU(s) = {devices} process(es), {cpus_per_task} CPUs "
           f"per node, time limit {args.time}")
-    print(describe(args.total_batch_size, args.batch_size_per_device, devices, accumulation))
+    if args.step == "tp":
+        print(describe(args.total_batch_size, args.batch_size_per_device, groups, accumulation,
+                       devices="data-parallel groups") + f"; tensor parallel over {tp_size} GPUs of each node")
+    else:
+        print(describe(args.total_batch_size, args.batch_size_per_device, devices, accumulation))
     example = launcher.command(args.nodes, first_node="FIRST_NODE", port="PORT", job_id="JOBID", restarts="RESTARTS")
     print(f"on each node: {shlex.join(example)}")
     print("  (FIRST_NODE: first node of the allocation, PORT: 20000 + job id % 20000)")

@@ -12,6 +12,8 @@ with a verdict line, and exits 1 unless the node is ready.
 Rows, in the order they run (id: check):
   step2, step3, step4, step5   the demo model: 02_singlegpu on one GPU with bf16 autocast, 03_ddp,
                     04_fsdp and 05_lora with nccl on every visible GPU (40 steps, a save)
+  step6             06_tp on every visible GPU, each layer split over 2 of them (tensor parallel 2 x
+                    FSDP over the pairs), where there are 2 GPUs or more: its losses against step4's
   preemption        04_fsdp as step4, with its data loader's worker processes (as on a GPU), SIGTERM to
                     every process of the job in the middle of the run (as Slurm sends it), then
                     --resume: a checkpoint and a `preempted:` line, and the resumed run's losses are
@@ -81,6 +83,7 @@ FULL_ROWS = 4  # the full fine-tune keeps as many layers as fit with this many r
 # H100 (2026-11-27): the demo's rows 21-29 s (the preemption row's two runs 46), the 7B shape's
 # QLoRA 135 s, LoRA 106, the full fine-tune of 17 layers 61, mostly loading random weights.
 ROWS = {"step2": ("step 2", 25), "step3": ("step 3", 25), "step4": ("step 4", 25), "step5": ("step 5", 25),
+        "step6": ("step 6, tensor parallel", 25),
         "preemption": ("preemption, step 4", 45), "nf4_sharding": ("QLoRA sharding", 20),
         "qlora": ("7B shape, QLoRA", 120), "lora": ("7B shape, LoRA", 100), "full": ("full fine-tuning", 60),
         "offload4": ("step 4, CPU offload", 25), "offload5": ("step 5, CPU offload", 25),
@@ -466,10 +469,11 @@ def main():
     full_job = job(full_rows, full_dir)
     if full_layers:
         make_model_dir(args, full_dir, full_layers)
-    jobs = [("step4", "fsdp", sharded_demo), ("qlora", "lora", lora_job + ["--qlora"]), ("lora", "lora", lora_job),
-            ("full", "fsdp", full_job)]
+    tensor_parallel_demo = sharded_demo + ["--tp_size", 2]  # step 6: layers split over pairs of GPUs
+    jobs = [("step4", "fsdp", sharded_demo), ("step6", "tp", tensor_parallel_demo),
+            ("qlora", "lora", lora_job + ["--qlora"]), ("lora", "lora", lora_job), ("full", "fsdp", full_job)]
     plans = Plans([(row_id, step, argv) for row_id, step, argv in jobs if row_id in wanted and
-                   (row_id != "full" or full_layers)], ranks, runner.deadline)
+                   (row_id != "full" or full_layers) and (row_id != "step6" or ranks >= 2)], ranks, runner.deadline)
     try:
         # The steps on the demo model: do they run on this machine's GPUs?
         if "step2" in wanted:
@@ -487,6 +491,8 @@ def main():
         if "step5" in wanted:
             runner.run("step5", f"demo model, LoRA, FULL_SHARD, {ranks} ranks, {backend}", "05_lora/train.py",
                        ranks, sharded_demo)
+        if "step6" in wanted:
+            tensor_parallel(runner, tensor_parallel_demo, backend, plans)
         if "preemption" in wanted:
             preemption(runner, sharded_demo, backend)
         if "nf4_sharding" in wanted:
@@ -529,6 +535,21 @@ def main():
     text = write_report(runner, final=True)
     print(f"wrote {runner.work_dir / 'gpu_check.md'} and gpu_check.json\n\n" + text, end="", flush=True)
     return verdict(runner.rows, on_gpu, hardware)[1]
+
+
+def tensor_parallel(runner, arguments, backend, plans):
+    """Step 6 at tensor parallel 2 on every GPU (FSDP over the pairs), where there are 2 or more; the
+    same global batch as the step4 row, so the losses are step4's (bf16 on a GPU: to its rounding)."""
+    setup = f"demo model, tensor parallel 2 x FSDP {runner.ranks // 2}, {runner.ranks} ranks, {backend}"
+    if runner.ranks < 2:
+        runner.skip(ROWS["step6"][0], setup, "needs 2 GPUs or more (each layer split over 2)")
+        return
+    row = runner.run("step6", setup, "06_tp/train.py", runner.ranks, arguments, plans=plans)
+    reference = next((r for r in runner.rows if r["check"] == ROWS["step4"][0] and r["result"] == "ok"), None)
+    if row and row["result"] == "ok" and reference and len(row["losses"]) == len(reference["losses"]):
+        worst = max(abs(a - b) for a, b in zip(row["losses"], reference["losses"]))
+        row["result"] = f"ok: losses within {worst:.1e} of step4's"
+        write_report(runner, final=False)
 
 
 def preemption(runner, arguments, backend):

@@ -1,16 +1,19 @@
-"""Side-by-side benchmark: one process, DDP, every FSDP strategy, packing on and off, and the
-Hugging Face Trainer with FSDP, each at gradient accumulation 1 and 2 on the same global batch, on
-the built-in tiny default and on the same shape with a 20,480-token vocabulary.
+"""Side-by-side benchmark: one process, DDP, every FSDP strategy, packing on and off, step 6's
+tensor parallel x FSDP (2 x 2 and 1 x 4), and the Hugging Face Trainer with FSDP, each at gradient
+accumulation 1 and 2 on the same global batch, on the built-in tiny default and on the same shape
+with a 20,480-token vocabulary.
 
-    .venv/bin/python benchmark/run.py            # everything, about 35 minutes on 2 idle CPU cores
+    .venv/bin/python benchmark/run.py            # everything, about 40 minutes on 2 idle CPU cores
     .venv/bin/python benchmark/run.py --quick    # a few steps of some runs the targets compare (the test)
+    .venv/bin/python benchmark/run.py --only "fsdp FULL_SHARD x4,tp 2x2,tp 1x4"   # those configurations
 
 Each configuration runs the real script (02/03/04 train.py, benchmark/hf_trainer_fsdp.py) with
 python or torchrun, one thread per rank, into its own folder under --runs_dir, and is read back
 from its summary.json and metrics.jsonl. Then, for each model and rank count, this script itself
 runs under torchrun and measures the bytes a rank holds (tensors only: parameters, gradients,
-AdamW state) for DDP, every FSDP strategy, LoRA and FULL_SHARD --accumulate_unsharded, set up
-with the step scripts' own functions: after the optimiser step, and between micro-batches.
+AdamW state) for DDP, every FSDP strategy, LoRA, FULL_SHARD --accumulate_unsharded and step 6 at
+every tensor-parallel size that divides the ranks, set up with the step scripts' own functions:
+after the optimiser step, and between micro-batches.
 
     torchrun --nproc-per-node 2 benchmark/run.py --model demo/model --out bytes.json   # that alone
 
@@ -37,7 +40,7 @@ from common.model import DEMO_DOWNLOAD
 from common.run_dir import RunDir
 
 SCRIPTS = {"single": "02_singlegpu/train.py", "ddp": "03_ddp/train.py", "fsdp": "04_fsdp/train.py",
-           "hf_trainer": "benchmark/hf_trainer_fsdp.py"}
+           "tp": "06_tp/train.py", "hf_trainer": "benchmark/hf_trainer_fsdp.py"}
 MODELS = ["built-in", "wide vocab"]  # the demo model; its shape with WIDE_VOCAB tokens
 WIDE_VOCAB = 20_480
 ACCUMULATIONS = [1, 2]
@@ -65,10 +68,13 @@ class Run(NamedTuple):
 def block(model, accumulation):
     """The runs of one model at one accumulation: (those the targets compare, the others). The
     rows per device follow from the global batch, the ranks and the accumulation."""
-    def on(ranks, script, name, *extra):
-        per_device = GLOBAL_BATCH_ROWS // (ranks * accumulation)
+    def on(ranks, script, name, *extra, groups=None):
+        per_device = GLOBAL_BATCH_ROWS // ((groups or ranks) * accumulation)  # a tensor-parallel group shares its rows
         return Run(model, accumulation, name, script, ranks,
                    ["--total_batch_size", GLOBAL_BATCH_ROWS, "--batch_size_per_device", per_device, *extra])
+
+    def tp(ranks, tp_size):  # step 6: mesh (ranks / tp_size) x tp_size
+        return on(ranks, "tp", f"tp {ranks // tp_size}x{tp_size}", "--tp_size", tp_size, groups=ranks // tp_size)
 
     def fsdp(ranks, strategy, *extra):
         name = f"fsdp {strategy} x{ranks}" + (" no packing" if "--no_packing" in extra else "")
@@ -89,13 +95,16 @@ def block(model, accumulation):
               fsdp(2, "FULL_SHARD", "--no_packing"),
               # HYBRID_SHARD on 2 ranks of one node is one shard group of 2: FULL_SHARD. On 4: 2 x 2.
               on(4, "ddp", "ddp x4"), fsdp(4, "FULL_SHARD"), fsdp(4, "SHARD_GRAD_OP"),
-              fsdp(4, "HYBRID_SHARD", "--shard_group_size", 2), fsdp(4, "NO_SHARD")]
+              fsdp(4, "HYBRID_SHARD", "--shard_group_size", 2), fsdp(4, "NO_SHARD"),
+              # Step 6 beside FSDP on 4 ranks: each layer split over 2 ranks (FSDP over 2 groups) or all 4.
+              tp(4, 2), tp(4, 4)]
     return compared, others
 
 
-def configurations(quick):
+def configurations(quick, only=None):
     """(the runs the targets compare, the others), over every model and accumulation; with
-    `quick`, only the runs the targets compare, of QUICK_BLOCKS."""
+    `quick`, only the runs the targets compare, of QUICK_BLOCKS; with `only`, the configurations of
+    those names."""
     compared, others = [], []
     for model in MODELS:
         for accumulation in ACCUMULATIONS:
@@ -104,6 +113,8 @@ def configurations(quick):
             runs = block(model, accumulation)
             compared += runs[0]
             others += runs[1]
+    if only:
+        return [run for run in compared if run.name in only], [run for run in others if run.name in only]
     return compared, [] if quick else others
 
 
@@ -218,6 +229,8 @@ def state_key(row):
         return None if muon else "DDP"
     if "fsdp/train" in row["script"]:
         return row["arguments"][row["arguments"].index("--sharding_strategy") + 1] + (" muon" if muon else "")
+    if "tp/train" in row["script"]:
+        return f"TP {row['arguments'][row['arguments'].index('--tp_size') + 1]}"
     return None
 
 
@@ -331,6 +344,7 @@ def markdown(results):
             lines.append(f"| {model} | {name} | {row['tokens_per_s']} | {ratio} | {row['peak_rss_mib_per_rank']} "
                          f"| {'—' if parts is None else round(parts['total'] / 2**20, 2)} | {split} |")
 
+    lines += step6_table(results, by_key)
     lines += ["", "Every run:", "",
               "| model | acc. | configuration | script | ranks | tokens/s | tokens/s per rank | useful tokens/step "
               "| s/step | peak RSS MiB/rank | params+grads+AdamW MiB/rank | final loss |",
@@ -342,6 +356,29 @@ def markdown(results):
                      f"| {row['step_time_s']} | {row['peak_rss_mib_per_rank']} "
                      f"| {'—' if state is None else state} | {row['final_loss']} |")
     return "\n".join(lines) + "\n"
+
+
+def step6_table(results, by_key):
+    """Step 6 beside FSDP on 4 ranks: tokens/s and the bytes a rank holds."""
+    names = [name for name in ("fsdp FULL_SHARD x4", "tp 2x2", "tp 1x4")
+             if any(key[2] == name for key in by_key)]
+    if not any(name.startswith("tp") for name in names):
+        return []
+    lines = ["", "Step 6 (tensor parallel x FSDP, `06_tp/train.py`) beside FSDP FULL_SHARD on 4 ranks; the bytes a "
+             "rank holds after the optimiser step (parameters + gradients + AdamW state):", "",
+             "| model | acc. | configuration | mesh dp x tp | tokens/s | ÷ FSDP x4 | params+grads+AdamW MiB/rank "
+             "| peak RSS MiB/rank |", "|---|---:|---|---|---:|---:|---:|---:|"]
+    for model, accumulation in columns():
+        fsdp = by_key.get((model, accumulation, "fsdp FULL_SHARD x4"))
+        for name in names:
+            row = by_key.get((model, accumulation, name))
+            if row is None:
+                continue
+            mesh = "4 x 1 (FSDP only)" if name.startswith("fsdp") else name.removeprefix("tp ").replace("x", " x ")
+            ratio = round(row["tokens_per_s"] / fsdp["tokens_per_s"], 3) if fsdp else "—"
+            lines.append(f"| {model} | {accumulation} | {name} | {mesh} | {row['tokens_per_s']} | {ratio} "
+                         f"| {row.get('state_mib_per_rank', '—')} | {row['peak_rss_mib_per_rank']} |")
+    return lines
 
 
 def plot(rows, out):
@@ -399,7 +436,18 @@ def parse_arguments(argv=None):
     parser.add("overwrite", action="store_true",
                help="replace the results in --out and the runs in --runs_dir of an earlier benchmark")
     parser.add("timeout", type=int, default=600, help="seconds one configuration may take")
+    parser.add("only", default=None,
+               help="comma-separated configuration names (as in results.md, e.g. 'fsdp FULL_SHARD x4,tp 2x2'): run "
+                    "only those, for every model and accumulation")
     args = parser.parse_args(argv)
+    if args.only is not None:
+        compared, others = block(MODELS[0], max(ACCUMULATIONS))
+        known = [run.name for run in compared + others]
+        args.only = [name.strip() for name in args.only.split(",") if name.strip()]
+        unknown = [name for name in args.only if name not in known]
+        if unknown or not args.only:
+            raise UserError(f"--only {','.join(unknown) or '(nothing)'}: not a configuration; they are: "
+                            f"{', '.join(known)}")
     args.out = args.runs_dir if args.out is None else args.out
     return args
 
@@ -431,7 +479,7 @@ def main():
     models = {"built-in": args.model,
               "wide vocab": str(build_wide_vocab_model(args.model, Path(args.runs_dir) / "wide_vocab_model"))}
 
-    compared, others = configurations(args.quick)
+    compared, others = configurations(args.quick, args.only)
     rounds = 1 if args.quick else ROUNDS
     rows = run_compared(compared, models, args, steps, rounds)
     rows += [run_configuration(run, models, args, steps) for run in others]
@@ -442,7 +490,7 @@ def main():
                    for model, by_ranks in measured.items()}
     accumulation_bytes = {model: {name: by_ranks[2]["between_micro_batches"][name]
                                   for name in ("FULL_SHARD", f"FULL_SHARD {UNSHARDED}", "DDP")}
-                          for model, by_ranks in measured.items()}
+                          for model, by_ranks in measured.items() if 2 in by_ranks}
     for row in rows:
         measured = state_bytes[row["model"]].get(row["ranks"], {}).get(state_key(row))
         if measured:
@@ -500,6 +548,9 @@ def two_steps(model, optimizer, configuration, ids):
     no_sync but on the last; --accumulate_unsharded: the gathered weights and whole gradients kept
     until the last; otherwise FSDP's defaults). The bytes held after the first micro-batch's
     backward of step 2 (AdamW's state exists by then), and after its optimiser step."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from common.data import loss_sum
     held = {}
     for step in (1, 2):
         for i in range(MICRO_BATCHES):
@@ -508,8 +559,12 @@ def two_steps(model, optimizer, configuration, ids):
                 model.set_requires_gradient_sync(last)
                 model.set_reshard_after_forward(last)
                 model.set_reshard_after_backward(last)
-            with model.no_sync() if configuration == "DDP" and not last else nullcontext():
-                model(input_ids=ids, labels=ids).loss.backward()
+            if configuration.startswith("TP"):  # as 06_tp/train.py: the loss on the vocabulary's parts
+                with loss_parallel():
+                    loss_sum(model, {"input_ids": ids, "labels": ids}).to_local().backward()
+            else:
+                with model.no_sync() if configuration == "DDP" and not last else nullcontext():
+                    model(input_ids=ids, labels=ids).loss.backward()
             if (step, i) == (2, 0):
                 held["between_micro_batches"] = held_bytes(model, optimizer)
         optimizer.step()
@@ -545,21 +600,25 @@ def measure_process():
         raise UserError(f"--out {args.out} exists already: pass --overwrite to replace it, or choose another --out")
     dist.init_process_group("gloo")
     world_size = dist.get_world_size()
-    fsdp, lora = load_step("fsdp"), load_step("lora")
+    fsdp, lora, tp = load_step("fsdp"), load_step("lora"), load_step("tp")
     settings = lora.parse_arguments(["--output_dir", "unused"])  # the steps' default LoRA and AdamW settings
     hybrid = world_size % SHARD_GROUP_SIZE == 0 and world_size > SHARD_GROUP_SIZE  # else no 2-D mesh (or FULL_SHARD)
     strategies = [s for s in fsdp.STRATEGIES if hybrid or s != "HYBRID_SHARD"]
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     results = {"after_step": {}, "between_micro_batches": {}}
-    for name in ["DDP", *strategies, f"FULL_SHARD {UNSHARDED}", "LoRA", "FULL_SHARD muon", "LoRA muon"]:
+    tp_sizes = [f"TP {size}" for size in range(2, world_size + 1) if world_size % size == 0]  # step 6's meshes
+    for name in ["DDP", *strategies, f"FULL_SHARD {UNSHARDED}", "LoRA", *tp_sizes, "FULL_SHARD muon", "LoRA muon"]:
         configuration = name.removesuffix(" muon")
         settings.optimizer = "muon" if name.endswith(" muon") else "adamw"
         torch.manual_seed(0)
         model = load_model(args.model)
-        ids = torch.randint(4, model.config.vocab_size, (2, 16),
-                            generator=torch.Generator().manual_seed(dist.get_rank()))
+        tp_size = int(configuration.split()[1]) if configuration.startswith("TP") else 1
+        ids = torch.randint(4, model.config.vocab_size, (2, 16),  # a tensor-parallel group's ranks share their rows
+                            generator=torch.Generator().manual_seed(dist.get_rank() // tp_size))
         if configuration == "DDP":
             model = DistributedDataParallel(model)
+        elif configuration.startswith("TP"):
+            tp.parallelize_and_shard(model.train(), tp.build_mesh("cpu", world_size, tp_size), "FULL_SHARD", fp32)
         else:
             step = lora if configuration == "LoRA" else fsdp
             if configuration == "LoRA":

@@ -5,8 +5,8 @@
     OUTPUT_DIR/profile/summary-rank0.txt    one screen: where the steps' time went, top operations
 
 The summary splits the profiled steps' wall time (ProfilerStep#N) into communication (the
-collectives' operations: all-gather, reduce-scatter, all-reduce, broadcast), the optimiser step
-(AdamW's step) and the rest, compute. On a GPU the kernels run on their own streams: the trace
+collectives' operations: all-gather, reduce-scatter, all-reduce, broadcast, all-to-all), the optimiser
+step and the rest, compute. On a GPU the kernels run on their own streams: the trace
 shows whether communication overlaps compute (NCCL kernels beside compute kernels), which the
 host's time cannot say.
 
@@ -21,8 +21,8 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.profiler import ProfilerAction, ProfilerActivity, profile
 
-COMMUNICATION = re.compile(r"all_gather|allgather|reduce_scatter|all_reduce|allreduce|broadcast|nccl|gloo",
-                           re.IGNORECASE)
+COMMUNICATION = re.compile(r"all_gather|allgather|reduce_scatter|all_reduce|allreduce|broadcast|alltoall|all_to_all"
+                           r"|nccl|gloo", re.IGNORECASE)
 OPTIMIZER = re.compile(r"^Optimizer\.step")
 TOP_OPERATIONS = 12
 
@@ -110,7 +110,7 @@ def summary(averages, rank, value_reads=None):
              + ("" if value_reads is None else f", {value_reads / step_count:.1f} reads of a value from the device "
                 "besides the figures' (item(), bool(): on a GPU each waits for it)"),
              f"  communication {communication / wall:6.1%}   (collectives, including waiting for other ranks)",
-             f"  optimizer     {optimizer / wall:6.1%}   (AdamW's step)",
+             f"  optimizer     {optimizer / wall:6.1%}   (the optimiser's step)",
              f"  compute       {compute / wall:6.1%}   (forward, backward, the rest)", "",
              f"top {TOP_OPERATIONS} operations by self time:"]
     key = "self_device_time_total" if on_gpu else "self_cpu_time_total"

@@ -9,12 +9,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 STEP_SCRIPTS = {"download": "01_download/download.py", "singlegpu": "02_singlegpu/train.py",
-                "ddp": "03_ddp/train.py", "fsdp": "04_fsdp/train.py", "lora": "05_lora/train.py"}
-TRAINING_STEPS = ("singlegpu", "ddp", "fsdp", "lora")
+                "ddp": "03_ddp/train.py", "fsdp": "04_fsdp/train.py", "lora": "05_lora/train.py",
+                "tp": "06_tp/train.py"}
+TRAINING_STEPS = ("singlegpu", "ddp", "fsdp", "lora", "tp")
 
 
 def load_step(step):
-    """The module of a step's script ("download", "singlegpu", "ddp", "fsdp" or "lora"), imported once."""
+    """The module of a step's script ("download", "singlegpu", "ddp", "fsdp", "lora" or "tp"), imported once."""
     name = "kit_step_" + step
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, REPO / STEP_SCRIPTS[step])

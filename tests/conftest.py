@@ -11,7 +11,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 STEP_SCRIPTS = {"single": REPO / "02_singlegpu/train.py", "ddp": REPO / "03_ddp/train.py",
-                "fsdp": REPO / "04_fsdp/train.py", "lora": REPO / "05_lora/train.py"}
+                "fsdp": REPO / "04_fsdp/train.py", "lora": REPO / "05_lora/train.py", "tp": REPO / "06_tp/train.py"}
 # The games the runs tokenize are prepared once per test session, in a folder of its own (never the
 # user's cache), and shared by every run that asks for the same data, tokenizer and row length.
 os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="kit-tests-datasets-")
@@ -76,7 +76,7 @@ def tmpfs(tmp_path):
 
 
 def run_step(step, args, nproc=1, timeout=600, check=True):
-    """Run a training step the way a user does: plain python for step 2, torchrun for 3 and 4."""
+    """Run a training step the way a user does: plain python for step 2, torchrun for the others."""
     if step == "single":
         command = [sys.executable, str(STEP_SCRIPTS[step])]
     else:

@@ -49,13 +49,14 @@ def codellama():
 # seconds importing transformers).
 CASES = [(1, 1, "FULL_SHARD"), (3, 3, "FULL_SHARD"),  # 3: dims do not divide, FSDP2 pads
          (2, 2, "FULL_SHARD"), (2, 2, "SHARD_GRAD_OP"), (2, 2, "NO_SHARD"),
-         (4, 4, "FULL_SHARD"), (4, 4, "SHARD_GRAD_OP"), (4, 2, "HYBRID_SHARD"), (4, 4, "NO_SHARD")]
+         (4, 4, "FULL_SHARD"), (4, 4, "SHARD_GRAD_OP"), (4, 2, "HYBRID_SHARD"), (4, 4, "NO_SHARD"),
+         (2, 2, "TP"), (4, 2, "TP"), (4, 4, "TP")]  # step 6: tensor parallel over per_node ranks, FSDP across
 LAUNCH_RANKS = max(ranks for ranks, _, _ in CASES)
 
 
 @pytest.fixture(scope="module")
 def measured(demo_model):
-    """{(ranks, strategy): [one dict of bytes per rank]}, from a real gloo run on the CPU."""
+    """{(ranks, per_node, strategy): [one dict of bytes per rank]}, from a real gloo run on the CPU."""
     cases = [f"{ranks}:{per_node}:{strategy}" for ranks, per_node, strategy in CASES]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={LAUNCH_RANKS}",
                __file__, str(demo_model), *cases]
@@ -66,16 +67,19 @@ def measured(demo_model):
     for line in run.stdout.splitlines():
         if line.startswith("MEASURED "):
             row = json.loads(line[len("MEASURED "):])
-            results.setdefault((row["ranks"], row["strategy"]), []).append(row)
+            results.setdefault((row["ranks"], row["per_node"], row["strategy"]), []).append(row)
     return results
 
 
 @pytest.mark.parametrize("ranks,per_node,strategy", CASES)
 def test_sharded_state_matches_fsdp2_on_every_rank(measured, demo_shape, ranks, per_node, strategy):
-    rows = measured[(ranks, strategy)]
+    rows = measured[(ranks, per_node, strategy)]
     assert sorted(row["rank"] for row in rows) == list(range(ranks))
-    degree = em.shard_degree(strategy, per_node, ranks // per_node)
-    estimated = em.sharded_state_bytes(em.fsdp_units(demo_shape), degree)
+    if strategy == "TP":  # each rank's tensor-parallel part, sharded over the ranks // per_node groups
+        estimated = em.sharded_state_bytes(em.fsdp_units(demo_shape, tp_size=per_node), ranks // per_node)
+    else:
+        degree = em.shard_degree(strategy, per_node, ranks // per_node)
+        estimated = em.sharded_state_bytes(em.fsdp_units(demo_shape), degree)
     for row in rows:
         for part in ("parameters", "gradients", "optimizer"):
             assert row[part] > 0
@@ -335,6 +339,8 @@ def measure(model_dir, cases):
         ranks, per_node = int(ranks), int(per_node)
         if strategy == "HYBRID_SHARD":  # replicate across "nodes", shard inside one
             layout, names = (ranks // per_node, per_node), ("replicate", "shard")
+        elif strategy == "TP":  # step 6's (dp, tp) mesh, tensor parallel inside a "node"
+            layout, names = (ranks // per_node, per_node), ("dp", "tp")
         elif strategy == "NO_SHARD":  # replicate everywhere, "shard" over 1
             layout, names = (ranks, 1), ("replicate", "shard")
         else:
@@ -345,15 +351,27 @@ def measure(model_dir, cases):
         if rank < ranks:
             options = {"reshard_after_forward": strategy != "SHARD_GRAD_OP"}  # as train.py does
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-            for layer in model.model.layers:
-                fully_shard(layer, mesh=mesh, **options)
-            fully_shard(model, mesh=mesh, **options)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # after sharding
             ids = torch.randint(4, model.config.vocab_size, (2, 16))
-            model(input_ids=ids, labels=ids).loss.backward()
+            if strategy == "TP":  # 06_tp's own function, and its loss on the vocabulary's parts
+                from torch.distributed.fsdp import MixedPrecisionPolicy
+                from torch.distributed.tensor.parallel import loss_parallel
+
+                from common.data import loss_sum
+                from launch.steps import load_step
+                load_step("tp").parallelize_and_shard(model, mesh, "FULL_SHARD", MixedPrecisionPolicy())
+                model.train()  # from_pretrained gives it in evaluation mode, with its logits made whole
+                optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+                with loss_parallel():
+                    loss_sum(model, {"input_ids": ids, "labels": ids}).to_local().backward()
+            else:
+                for layer in model.model.layers:
+                    fully_shard(layer, mesh=mesh, **options)
+                fully_shard(model, mesh=mesh, **options)
+                optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # after sharding
+                model(input_ids=ids, labels=ids).loss.backward()
             optimizer.step()  # now AdamW's state exists
             params = list(model.parameters())
-            row = {"ranks": ranks, "rank": rank, "strategy": strategy,
+            row = {"ranks": ranks, "per_node": per_node, "rank": rank, "strategy": strategy,
                    "parameters": sum(local_bytes(p) for p in params),
                    # what is allocated: FSDP2 keeps each local shard in a buffer padded to ceil(dim0 / N) rows
                    "parameter_storage": sum(p.to_local().untyped_storage().nbytes() for p in params),
@@ -376,3 +394,60 @@ def test_output_cut_short_by_head_ends_quietly():
     process.stdout.close()  # as head does once it has its lines: the tool's next write finds no reader
     stderr = process.stderr.read()
     assert process.wait(timeout=120) == 141 and stderr == "", stderr
+
+
+# ---- step 6: tensor parallel x FSDP ---------------------------------------------------------------
+
+@pytest.mark.quick
+def test_tensor_parallel_parts_and_what_they_divide(codellama):
+    """Each parameter as 06_tp's plans split it over 8 ranks; the state is then 1/GPUs as with
+    FULL_SHARD over all of them (but the norms, whole on every rank of a group); checkpointed
+    activations are each layer's input on 1/8 of the sequence (the first layer's whole)."""
+    parts = {name: em.tp_part(name, shape, 8) for name, shape in codellama.root + codellama.layers[0]}
+    assert parts == {"model.embed_tokens.weight": (32016, 512), "model.norm.weight": (4096,),
+                     "lm_head.weight": (4002, 4096), "self_attn.q_proj.weight": (512, 4096),
+                     "self_attn.k_proj.weight": (512, 4096), "self_attn.v_proj.weight": (512, 4096),
+                     "self_attn.o_proj.weight": (4096, 512), "mlp.gate_proj.weight": (1376, 4096),
+                     "mlp.up_proj.weight": (1376, 4096), "mlp.down_proj.weight": (4096, 1376),
+                     "input_layernorm.weight": (4096,), "post_attention_layernorm.weight": (4096,)}
+    tp = em.estimate(codellama, gpus_per_node=8, nodes=2, tp_size=8, gradient_checkpointing=True, seq_length=16384)
+    fsdp = em.estimate(codellama, gpus_per_node=8, nodes=2, gradient_checkpointing=True, seq_length=16384)
+    assert tp["shard_degree"] == 2 and fsdp["shard_degree"] == 16
+    assert tp["parameters"] == pytest.approx(fsdp["parameters"], rel=1e-3) and tp["parameters"] > fsdp["parameters"]
+    assert tp["activations_kept"] / fsdp["activations_kept"] == pytest.approx((32 / 8 + 1 - 1 / 8) / 32)
+    assert em.estimate(codellama, tp_size=1) == em.estimate(codellama)
+
+
+@pytest.mark.quick
+def test_tp_table_shows_where_tensor_parallelism_makes_a_job_fit(capsys):
+    """The README's table (06_tp/README.md): CodeLlama-70b on 4 nodes of 8 x 80 GB at 16,384 tokens
+    fits only with checkpointing, and with tensor parallelism it leaves 30 GiB more room; CodeLlama-7b
+    at 16,384 without checkpointing fits one node only with tensor parallelism."""
+    em.main(["--tp_table", "--gpus_per_node", "8", "--model", "codellama/CodeLlama-70b-hf"])
+    rows = {tuple(cells[1:3]): cells[3:7] for line in capsys.readouterr().out.splitlines()
+            if len(cells := [cell.strip() for cell in line.split("|")]) > 6 and cells[1][:1].isdigit()}
+    assert len(rows) == 6, rows
+    fsdp, fsdp_checkpointed, tp, tp_checkpointed = rows["4 × 8", "16,384"]
+    assert fsdp.endswith(" no") and tp.endswith(" no") and fsdp_checkpointed.endswith(" fits")
+    assert tp_checkpointed.endswith(" fits")
+    assert float(fsdp_checkpointed.split()[0]) - float(tp_checkpointed.split()[0]) > 20
+    em.main(["--tp_table", "--gpus_per_node", "8"])
+    rows = {tuple(cells[1:3]): cells[3:7] for line in capsys.readouterr().out.splitlines()
+            if len(cells := [cell.strip() for cell in line.split("|")]) > 6 and cells[1][:1].isdigit()}
+    fsdp, _, tp, _ = rows["1 × 8", "16,384"]
+    assert fsdp.endswith(" no") and tp.endswith(" fits")
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("options,message", [
+    (["--gpus_per_node", "4", "--tp_size", "3"], "--tp_size 3 does not divide the 4 GPUs into tensor-parallel groups"),
+    (["--gpus_per_node", "4", "--tp_size", "2", "--lora"], "--tp_size is step 6: FSDP FULL_SHARD or SHARD_GRAD_OP"),
+    (["--gpus_per_node", "16", "--tp_size", "16", "--model", "codellama/CodeLlama-70b-hf"],
+     "--tp_size 16: codellama/CodeLlama-70b-hf has 8 key-value heads, which do not split into 16 equal parts"),
+])
+def test_tensor_parallel_options_are_refused_in_one_line(capsys, options, message):
+    with pytest.raises(SystemExit) as exit_info:
+        em.exit_on_user_error(lambda: em.main(options))
+    assert exit_info.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"error: {message}"), lines

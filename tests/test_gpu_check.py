@@ -19,8 +19,8 @@ import pytest
 from conftest import REPO
 from benchmark import gpu_check
 
-ROWS = ["step 2", "step 3", "step 4", "step 5", "preemption, step 4", "QLoRA sharding", "7B shape, QLoRA",
-        "7B shape, LoRA", "full fine-tuning", "step 4, CPU offload", "step 5, CPU offload",
+ROWS = ["step 2", "step 3", "step 4", "step 5", "step 6, tensor parallel", "preemption, step 4", "QLoRA sharding",
+        "7B shape, QLoRA", "7B shape, LoRA", "full fine-tuning", "step 4, CPU offload", "step 5, CPU offload",
         "7B shape, full fine-tuning, CPU offload"]
 SHRUNK = ["--layers", "2", "--hidden", "128", "--heads", "2", "--intermediate", "256", "--seq_length", "64",
           "--steps", "2", "--batch_size_per_device", "2"]
@@ -52,7 +52,7 @@ def test_the_job_ends_with_the_table_and_the_verdict(cpu_run):
     assert stdout.startswith(f"job 17: GPU check on node1, 2 GPU(s); table in {work_dir}\n")
     assert stdout.endswith((work_dir / "gpu_check.md").read_text())
     assert stdout.splitlines()[-1] == ("verdict: NOT ready: no usable CUDA GPU here; of the checks that run on the "
-                                       "CPU 8 passed")
+                                       "CPU 9 passed")
     assert json.loads((work_dir / "gpu_check.json").read_text())["verdict"] == stdout.splitlines()[-1]
 
 
@@ -73,6 +73,10 @@ def test_the_cpu_runs_what_it_can_and_says_why_it_skips_the_rest(cpu_run):
         assert rows[check]["result"].startswith("skipped: no CUDA GPU here")
     for check in ("step 3", "step 4", "step 5"):
         assert rows[check]["result"] == "ok" and "gloo, CPU" in rows[check]["setup"]
+    # Step 6 on the 2 processes, tensor parallel over both: step 4's global batch, so its losses (fp32 here)
+    found = re.fullmatch(r"ok: losses within (\S+) of step4's", rows["step 6, tensor parallel"]["result"])
+    assert found and float(found.group(1)) <= 1e-4, rows["step 6, tensor parallel"]
+    assert rows["step 6, tensor parallel"]["setup"] == "demo model, tensor parallel 2 x FSDP 1, 2 ranks, gloo, CPU"
     # SIGTERM to every process of a run with loader workers: saved, resumed, step 4's losses
     assert re.fullmatch(r"ok: saved a checkpoint at step \d+, resumed; losses within \S+ of step4's",
                         rows["preemption, step 4"]["result"]), rows["preemption, step 4"]
@@ -91,8 +95,8 @@ def test_the_cpu_runs_what_it_can_and_says_why_it_skips_the_rest(cpu_run):
         if row["result"].startswith("ok") and "losses" in row:
             assert row["tokens_per_s_per_gpu"] > 0
     # The plan check's prediction sits next to the runs that FSDP shards, QLoRA's 4-bit model too.
-    assert all(rows[check]["planned_peak_gib"] > 0 for check in ("step 4", "7B shape, LoRA", "7B shape, QLoRA",
-                                                                   "full fine-tuning"))
+    assert all(rows[check]["planned_peak_gib"] > 0 for check in ("step 4", "step 6, tensor parallel", "7B shape, LoRA",
+                                                                   "7B shape, QLoRA", "full fine-tuning"))
 
 
 def test_the_7b_shape_is_codellamas_with_the_demo_tokenizer(cpu_run):
@@ -168,6 +172,17 @@ CODELLAMA = json.loads((REPO / "benchmark/codellama-7b-config.json").read_text()
 
 def row(check, result="ok (stopped after 4 steps)", **figures):
     return {"check": check, "setup": "", "result": result, **figures}
+
+
+def test_step_6_is_skipped_on_one_gpu_with_its_reason(tmp_path):
+    """The kit's GPU machine has one GPU: tensor parallelism needs two, so the row says so and runs nothing."""
+    import argparse
+    runner = gpu_check.Runner(argparse.Namespace(work_dir=str(tmp_path), time_limit=480), False, 1, "1 x H100")
+    gpu_check.tensor_parallel(runner, [], "nccl", plans=None)
+    assert runner.rows == [{"check": "step 6, tensor parallel", "setup": "demo model, tensor parallel 2 x FSDP 0, 1 "
+                            "ranks, nccl", "result": "skipped: needs 2 GPUs or more (each layer split over 2)"}]
+    assert gpu_check.verdict(runner.rows, True, "1 x H100")[1] == 0  # a skip, not a failure
+    assert "skipped: needs 2 GPUs or more" in (tmp_path / "gpu_check.md").read_text()
 
 
 def test_a_gpu_node_is_ready_only_when_nothing_failed():

@@ -23,12 +23,13 @@ from test_faults import ranks_of
 TIMEOUT_S = 10
 
 
-def test_a_frozen_rank_ends_the_job_with_one_line_and_every_stack(demo, tmp_path):
+@pytest.mark.parametrize("step", ["fsdp", "tp"])  # tp: step 6, whose ranks also wait in the layers' collectives
+def test_a_frozen_rank_ends_the_job_with_one_line_and_every_stack(demo, tmp_path, step):
     out = tmp_path / "run"
     args = demo_args(demo, out) + ["--max_steps", 12, "--save_every", 2, "--total_batch_size", 4,
                                    "--batch_size_per_device", 2, "--collective_timeout", TIMEOUT_S]
     command = [sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc-per-node=2",
-               str(STEP_SCRIPTS["fsdp"]), *map(str, args)]
+               str(STEP_SCRIPTS[step]), *map(str, args)]
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True,
                                env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
@@ -63,10 +64,10 @@ def test_a_frozen_rank_ends_the_job_with_one_line_and_every_stack(demo, tmp_path
     # The last complete checkpoint is intact: the run continues from it.
     complete = sorted(out.glob("checkpoints/step-*/COMPLETE"))
     assert complete, "no complete checkpoint"
-    step = int(complete[-1].parent.name.removeprefix("step-"))
-    resumed = run_step("fsdp", args[:-2] + ["--resume"], nproc=2)  # with the default timeout
+    saved = int(complete[-1].parent.name.removeprefix("step-"))
+    resumed = run_step(step, args[:-2] + ["--resume"], nproc=2)  # with the default timeout
     assert f"resuming from {complete[-1].parent}" in resumed.stdout + resumed.stderr
-    assert step < 12 and (out / "final" / "config.json").is_file()
+    assert saved < 12 and (out / "final" / "config.json").is_file()
 
 
 def start_fsdp(args):

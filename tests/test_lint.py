@@ -21,6 +21,8 @@ DIFF_BUDGETS = {
                                        # precision, rank-0 loading, sharded checkpoints, gathered export,
                                        # CPU offload's gloo for the offloaded tensors
     ("04_fsdp", "05_lora"): 120,       # LoRA/QLoRA: adapters, adapter-only checkpoints and export
+    ("04_fsdp", "06_tp"): 220,         # tensor parallel: the 2-D mesh, the layer and root plans, parallelize then
+                                       # fully_shard over dp, loss parallel, sums and batches by data-parallel rank
 }
 
 
@@ -72,7 +74,7 @@ def test_the_lessons_and_common_stand_on_their_own():
     (steps -> common), so a lesson never depends on a later one or on what runs it."""
     above = {"launch", "tools", "benchmark", "submit", "play"}
     files = [*(REPO / "common").glob("*.py"), *(REPO / step / "train.py" for step in
-                                                ("02_singlegpu", "03_ddp", "04_fsdp", "05_lora"))]
+                                                ("02_singlegpu", "03_ddp", "04_fsdp", "05_lora", "06_tp"))]
     offenders = {str(path.relative_to(REPO)): sorted(imported_packages(path) & above) for path in files}
     assert {name: found for name, found in offenders.items() if found} == {}
     by_path = ("spec_from_file_location", "run_path", "SourceFileLoader")

@@ -33,6 +33,7 @@ RUN = [
     (r"^python submit\.py .*--dry-run$", {0}),
     (r"^python benchmark/sweep\.py --slurm .*--dry-run$", {0}),
     (r"^python benchmark/muon_step\.py$", {0}),
+    (r"^torchrun --standalone --nproc-per-node 2 benchmark/tp_layouts\.py$", {0}),
 ]
 
 # Commands not run here, and why. A command may match several; every entry must match one.
@@ -52,7 +53,7 @@ SKIPPED = {
     r"^export HF_HOME=": "cluster-only: the shared cache",
     r"^python 01_download/download\.py --demo --out demo$": "rebuilds demo/, as ./demo.sh and ./test.sh do; the "
                                                            "`demo` fixture runs it for the tests",
-    r"^(torchrun|python) (?!.*--help).*\b0[2-5]_\w+/train\.py": "a training run of 100 steps, minutes on a CPU "
+    r"^(torchrun|python) (?!.*--help).*\b0[2-6]_\w+/train\.py": "a training run of 100 steps, minutes on a CPU "
                                                                 "(the training tests run every step)",
     r"^python tools/export\.py runs/fsdp/": "needs the checkpoint of the 100-step run above (tests/test_export.py "
                                               "exports one)",
@@ -65,6 +66,8 @@ SKIPPED = {
     r"^tensorboard ": "starts a server that runs until stopped",
     r"^python -m torch\.distributed\.flight_recorder\.fr_trace ": "reads the Flight Recorder dumps of a hung NCCL job "
                                                                  "(tests/test_hang.py makes gloo's)",
+    r"^torchrun .*--nproc-per-node 4 benchmark/tp_layouts\.py": "4 ranks, a few minutes on 2 cores (the 2-rank form "
+                                                                  "is run)",
     r"^python benchmark/sweep\.py$": "the sweep: minutes (tests/test_sweep.py runs a tiny one)",
     r"^torchrun --nproc-per-node 2 benchmark/muon_step\.py$": "Muon's designs timed: a minute (tests/test_muon.py "
                                                               "runs it with --steps 1)",

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from conftest import read_metrics
+from conftest import EQUIVALENCE, QUICK, assert_same_run, read_metrics
 
 pytestmark = pytest.mark.slurm
 pytest_plugins = ["slurm_cluster"]  # the `slurm_cluster` fixture: one local cluster for the session
@@ -78,6 +78,27 @@ def test_sbatch_template_trains(slurm_cluster, demo, script, nodes, gpus_per_nod
             assert f"× {accumulation} gradient accumulation steps, {strategy}\n" in output, output[-3000:]
         check_training_run(output_dir, nodes * gpus_per_node, accumulation, per_device,
                            FINAL_FILES.get(script, FULL_MODEL))
+
+
+def test_tp_template_on_two_nodes_trains_what_one_process_trains(slurm_cluster, demo, single_reference):
+    """slurm/tp.sh on 2 nodes x 2 GPUs: tensor parallel over each node's 2 ranks (the default, a node's
+    GPUs), FSDP across the 2 nodes; with tests/test_equivalence.py's settings its per-step losses and
+    final model are step 2's on one process (conftest's single_reference: the same 8 rows a step)."""
+    output_dir = slurm_cluster.jobs_dir / "tp-2x2"
+    job_id = slurm_cluster.sbatch(
+        "--nodes=2", "--gpus-per-node=2", *SMALL_NODE, "slurm/tp.sh", *map(str, QUICK + EQUIVALENCE),
+        extra_env={"MODEL": str(demo / "model"), "DATA_DIR": str(demo / "data"), "OUTPUT_DIR": str(output_dir),
+                   "TOTAL_BATCH_SIZE": "8", "BATCH_SIZE_PER_DEVICE": "2"})
+    with slurm_cluster.logs_kept_on_failure():
+        state = slurm_cluster.wait(job_id, JOB_TIMEOUT_S)
+        output = job_output(slurm_cluster, "tp", job_id)
+        assert state == "COMPLETED", output[-4000:]
+        assert "plan check: fits: " in output and f"rendezvous node1:{20000 + int(job_id)} id {job_id}-0" in output
+        assert ("total batch 8 = 2 per device × 2 data-parallel groups × 2 gradient accumulation steps, FULL_SHARD; "
+                "mesh 2 × 2: tensor parallel over 2 ranks\n") in output, output[-3000:]
+        assert read_metrics(output_dir)[-1]["world_size"] == 4
+        assert_same_run(single_reference, output_dir, tolerance=1e-5)
+        assert json.loads((output_dir / "summary.json").read_text())["steps"] == 6
 
 
 @pytest.mark.parametrize("environment, message", [

@@ -47,7 +47,7 @@ def test_accumulation_that_does_not_divide_is_refused(request_):
         gradient_accumulation_steps(*request_)
 
 
-@pytest.mark.parametrize("script", ["singlegpu", "ddp", "fsdp", "lora"])
+@pytest.mark.parametrize("script", ["singlegpu", "ddp", "fsdp", "lora", "tp"])
 def test_template_outside_slurm_says_to_use_sbatch(script):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     result = subprocess.run(["bash", f"slurm/{script}.sh"], cwd=REPO, env=env, capture_output=True, text=True)
@@ -77,6 +77,25 @@ def test_dry_run_prints_the_plan_and_the_sbatch_script_without_slurm(no_slurm_en
     assert first.startswith("sharding: HYBRID_SHARD on 2 nodes: "), out
     assert second.startswith("plan check: fits: "), out  # the demo model: 8 ranks x 4 rows of 512 tokens
     assert "--learning_rate 2e-5 --sharding_strategy HYBRID_SHARD\n" in out
+
+
+def test_dry_run_of_step_6_splits_each_node_and_shares_out_the_batch_by_group(no_slurm_env):
+    """--step tp: the tensor-parallel size goes to the training script (a node's GPUs by default,
+    lowered to the demo model's 4 heads), the batch is shared out by data-parallel group, and the
+    plan check runs step 6."""
+    result = run_submit(["--dry-run", "--step", "tp", "--gpus", "8", "--nodes", "2", "--total_batch_size", "16",
+                         "--batch_size_per_device", "2"], no_slurm_env)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert out.startswith("plan check: fits: "), out
+    assert ("total batch 16 = 2 per device × 4 data-parallel groups × 2 gradient accumulation steps; tensor parallel "
+            "over 4 GPUs of each node") in out
+    assert "--rdzv-id=JOBID-RESTARTS 06_tp/train.py " in out and out.count("--tp_size 4") == 1, out
+    explicit = run_submit(["--dry-run", "--step", "tp", "--tp_size", "2", "--gpus", "4", "--total_batch_size", "8",
+                           "--batch_size_per_device", "2", "--force"], no_slurm_env)
+    assert explicit.returncode == 0 and "plan check" not in explicit.stdout, explicit.stderr
+    assert "2 per device × 2 data-parallel groups × 2 gradient accumulation steps" in explicit.stdout
+    assert "--batch_size_per_device 2 --tp_size 2" in explicit.stdout
 
 
 def test_short_jobs_are_warned_halfway(no_slurm_env):
@@ -156,6 +175,12 @@ def test_dry_run_quotes_paths_for_the_shell(no_slurm_env, tmp_path):
     (["--step", "fsdp", "--time", "02:75:00"], "--time '02:75:00' is not a Slurm time limit: after D- the hours"),
     (["--step", "fsdp", "--", "--total_batch_size", "4"], "use submit.py's --total_batch_size"),
     (["--step", "fsdp", "--", "--batch-size-per-device=4"], "use submit.py's --batch_size_per_device"),
+    (["--step", "tp", "--", "--tp_size", "2"], "use submit.py's --tp_size"),
+    (["--step", "fsdp", "--tp_size", "2"], "--tp_size is step 6's (--step tp), not --step fsdp's"),
+    (["--step", "tp", "--gpus", "4", "--tp_size", "3"], "--tp_size 3 must divide the 4 GPUs of a node (--gpus)"),
+    (["--step", "tp", "--gpus", "8", "--tp_size", "8"], "--tp_size 8: "),  # the demo model's 4 heads
+    (["--step", "tp", "--gpus", "4", "--total_batch_size", "5", "--batch_size_per_device", "2"],
+     "--total_batch_size 5 is not a multiple of --batch_size_per_device 2 × 1 data-parallel groups = 2"),
     (["--step", "fsdp", "--", "--gradient_accumulation_steps", "4"], "unrecognized arguments"),
     (["--step", "fsdp", "--", "--learning_rat", "1e-4"], "unrecognized arguments: --learning_rat"),
     (["--step", "fsdp", "--", "--max_grad_norm", "0"], "--max_grad_norm must be a positive number"),
@@ -214,7 +239,7 @@ def test_shell_scripts_are_shellcheck_clean():
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("script", ["singlegpu", "ddp", "fsdp", "lora"])
+@pytest.mark.parametrize("script", ["singlegpu", "ddp", "fsdp", "lora", "tp"])
 @pytest.mark.parametrize("cpus, gpus, threads", [(32, 4, 8), (2, 4, 1), (1, 8, 1), (None, 4, 1)])
 def test_templates_give_each_rank_at_least_one_thread(script, cpus, gpus, threads):
     """The templates' own thread lines, run with a node's Slurm figures: fewer CPUs than GPUs once

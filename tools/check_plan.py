@@ -1,7 +1,8 @@
-"""Will a step-4/5 job fit in GPU memory? The plan check runs the job's own code on fake tensors.
+"""Will a step-4/5/6 job fit in GPU memory? The plan check runs the job's own code on fake tensors.
 
     python tools/check_plan.py --gpus_per_node 8 --nodes 8 --max_seq_length 4096 --gradient_checkpointing
     python tools/check_plan.py --gpus_per_node 1 --lora --json       # step 5 on one GPU, as JSON
+    python tools/check_plan.py --gpus_per_node 8 --nodes 2 --tp_size 8 --max_seq_length 16384  # step 6
     python tools/check_plan.py --model demo/model --gpus_per_node 2 --max_seq_length 256
     python tools/check_plan.py --compare_table                       # CodeLlama-7b, next to estimate_memory.py
 
@@ -14,8 +15,9 @@ How. PyTorch's FakeTensorMode gives tensors shapes and dtypes but no memory, and
 group lets this process be rank 0 of a job of 1 to 512 ranks. The model is made as every rank of
 a real run makes it (common/sharded_loading.py): built from its config on the meta device,
 prepared and sharded by the training scripts' own functions (04_fsdp/train.py's build_mesh,
-shard_model and precision policy; 05_lora/train.py's, with its add_lora, for --lora; activation
-checkpointing, CPU offload), then given storage: fake storage here. Two optimiser steps of the
+shard_model and precision policy; 05_lora/train.py's, with its add_lora, for --lora; 06_tp/train.py's
+2-D mesh and parallelize_and_shard for --tp_size, the fake group split into its dp x tp groups;
+activation checkpointing, CPU offload), then given storage: fake storage here. Two optimiser steps of the
 job's micro-batches then run as train.py runs them, with its AdamW, under PyTorch's
 FSDPMemTracker, which files every live tensor under a category: sharded and gathered parameters,
 gradients, AdamW state, activations, backward temporaries, all-gather and reduce-scatter buffers.
@@ -72,6 +74,7 @@ from common.model import build_model, check_max_seq_length, enable_gradient_chec
 from common.nf4 import quantize_frozen_linears, stored_bytes
 from common.optim import make_optimizer
 from common.sharded_loading import give_storage
+from common.tensor_parallel import tp_size_for
 from launch.steps import check_training_arguments, load_step
 from tools import estimate_memory
 
@@ -167,7 +170,9 @@ def build(args, step, mesh, config, fake_mode, accumulation):
     precision = args.precision or "bf16"  # what train.py uses on a GPU
     mp_policy = MixedPrecisionPolicy(param_dtype=module.PRECISIONS[precision], reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy(pin_memory=False) if args.cpu_offload else OffloadPolicy()  # no pinning without CUDA
-    if getattr(args, "qlora", False):  # as the job loads it: unit by unit, each layer's linear weights in 4 bits
+    if step == "tp":  # tensor parallel over mesh["tp"], then FSDP over mesh["dp"]
+        module.parallelize_and_shard(model, mesh, args.sharding_strategy, mp_policy)
+    elif getattr(args, "qlora", False):  # as the job loads it: unit by unit, each layer's linear weights in 4 bits
         def load_unit(unit):
             with fake_mode:
                 give_storage(model, unit, lambda name, tensor: torch.empty_like(tensor, device="cpu"))
@@ -187,8 +192,9 @@ def build(args, step, mesh, config, fake_mode, accumulation):
     return model, optimizer
 
 
-def run_steps(module, model, optimizer, tracker, args, world_size, accumulation, vocab_size):
-    """Two optimiser steps, each by the step script's own train_step; the tracker measures the
+def run_steps(module, model, optimizer, tracker, args, world_size, accumulation, vocab_size, last_argument):
+    """Two optimiser steps, each by the step script's own train_step (its last argument
+    `last_argument`: steps 4 and 5's autocast, step 6's data-parallel mesh); the tracker measures the
     second. Hooks name the phase the memory belongs to: the root module's forward starts a
     micro-batch's forward, the gradient reaching its logits starts that micro-batch's backward."""
     rows, length = args.batch_size_per_device, args.max_seq_length
@@ -237,7 +243,7 @@ def run_steps(module, model, optimizer, tracker, args, world_size, accumulation,
         micro_batch_count[0] = 0
         batches = [micro_batch() for _ in range(count)]  # train.py moves a step's micro-batches at once
         tracker.track_inputs((batches,))
-        module.train_step(model, optimizer, batches, args, torch.device("cpu"), nullcontext())
+        module.train_step(model, optimizer, batches, args, torch.device("cpu"), last_argument)
     tracker.phase = None
     for hook in hooks:
         hook.remove()
@@ -245,25 +251,32 @@ def run_steps(module, model, optimizer, tracker, args, world_size, accumulation,
 
 
 def plan(args, gpus_per_node, nodes=1, step="fsdp", gpu_memory_gib=None):
-    """Rank 0's memory for the job that `args` (04_fsdp's or 05_lora's parsed training arguments)
-    describes, on `nodes` x `gpus_per_node` GPUs; a dict of bytes, the peak's moment and the
-    verdict. Raises PlanUnavailable where the check cannot run, UserError for a job that cannot start."""
+    """Rank 0's memory for the job that `args` (04_fsdp's, 05_lora's or 06_tp's parsed training
+    arguments) describes, on `nodes` x `gpus_per_node` GPUs; a dict of bytes, the peak's moment and
+    the verdict. Raises PlanUnavailable where the check cannot run, UserError for a job that cannot start."""
     started = time.perf_counter()
-    if step not in ("fsdp", "lora"):
-        raise PlanUnavailable(f"the plan check is for the FSDP steps (fsdp, lora), not {step}")
+    if step not in ("fsdp", "lora", "tp"):
+        raise PlanUnavailable(f"the plan check is for the FSDP steps (fsdp, lora, tp), not {step}")
     world_size = gpus_per_node * nodes
     if not 1 <= world_size <= MAX_RANKS:
         raise UserError(f"the plan check runs 1 to {MAX_RANKS} ranks (got {nodes} x {gpus_per_node} = {world_size})")
     if dist.is_initialized():
         raise PlanUnavailable("a process group is already running in this process")
-    accumulation = gradient_accumulation_steps(args.total_batch_size, args.batch_size_per_device, world_size)
     config, source = estimate_memory.load_config(args.model, args.trust_remote_code)
+    # Step 6 has none of CPU offload, HYBRID_SHARD's groups or QLoRA; a tensor-parallel group shares its rows.
+    args = argparse.Namespace(**{"cpu_offload": False, "shard_group_size": None, "tp_size": None, **vars(args)})
+    tp_size = tp_size_for(args, config, world_size, gpus_per_node, on_gpu=True) if step == "tp" else 1
+    accumulation = gradient_accumulation_steps(args.total_batch_size, args.batch_size_per_device,
+                                               world_size // tp_size)
     gpu_memory_gib = estimate_memory.gpu_memory_default() if gpu_memory_gib is None else gpu_memory_gib
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
     try:
         # The mesh outside fake mode: making it runs real (fake-backend) collectives on real tensors.
-        mesh = load_step(step).build_mesh(args.sharding_strategy, "cpu", world_size,
-                                          args.shard_group_size or gpus_per_node)
+        if step == "tp":
+            mesh = load_step(step).build_mesh("cpu", world_size, tp_size)
+        else:
+            mesh = load_step(step).build_mesh(args.sharding_strategy, "cpu", world_size,
+                                              args.shard_group_size or gpus_per_node)
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)  # to_empty reads the meta model's tensors
         model, optimizer = build(args, step, mesh, config, fake_mode, accumulation)
         # A model the check can build: rows longer than its positions are a job that cannot start, not a fit.
@@ -273,7 +286,8 @@ def plan(args, gpus_per_node, nodes=1, step="fsdp", gpu_memory_gib=None):
             try:
                 with tracker:
                     state, multi_tensor_copy = run_steps(load_step(step), model, optimizer, tracker, args,
-                                                         world_size, accumulation, config.vocab_size)
+                                                         world_size, accumulation, config.vocab_size,
+                                                         mesh["dp"] if step == "tp" else nullcontext())
             except Exception as err:  # an operation fake tensors cannot run: unchecked, not refused
                 raise PlanUnavailable(f"the model's code failed on fake tensors ({type(err).__name__}: "
                                       f"{first_line(err)})") from None
@@ -287,7 +301,7 @@ def plan(args, gpus_per_node, nodes=1, step="fsdp", gpu_memory_gib=None):
     result = summarise(phase_peaks, state, offloaded=args.cpu_offload, multi_tensor_copy=multi_tensor_copy)
     result.update(
         model=source, parameters=parameters, trainable_parameters=trainable, step=step, ranks=world_size,
-        gpus_per_node=gpus_per_node, nodes=nodes, sharding_strategy=args.sharding_strategy,
+        gpus_per_node=gpus_per_node, nodes=nodes, sharding_strategy=args.sharding_strategy, tp_size=tp_size,
         shard_group_size=args.shard_group_size or gpus_per_node, precision=args.precision or "bf16",
         max_seq_length=args.max_seq_length, batch_size_per_device=args.batch_size_per_device,
         accumulation=accumulation, gradient_checkpointing=args.gradient_checkpointing, cpu_offload=args.cpu_offload,
@@ -302,21 +316,23 @@ def plan(args, gpus_per_node, nodes=1, step="fsdp", gpu_memory_gib=None):
     except UserError:
         shape = None
     if shape is not None:
-        result["estimate"] = estimate_memory.estimate_job(shape, args, gpus_per_node, nodes, lora=step == "lora")
+        result["estimate"] = estimate_memory.estimate_job(shape, args, gpus_per_node, nodes, lora=step == "lora",
+                                                          tp_size=tp_size)
         if not result["fits"]:
-            result["would_fit_with"] = changes_that_fit(shape, args, gpus_per_node, nodes, step, gpu_memory_gib)
+            result["would_fit_with"] = changes_that_fit(shape, args, gpus_per_node, nodes, step, gpu_memory_gib,
+                                                        tp_size)
     result["seconds"] = round(time.perf_counter() - started, 1)
     return result
 
 
-def changes_that_fit(shape, args, gpus_per_node, nodes, step, gpu_memory_gib):
+def changes_that_fit(shape, args, gpus_per_node, nodes, step, gpu_memory_gib, tp_size=1):
     """One-change alternatives that fit by estimate_memory.py's formulas (instant, unlike a plan
     check each), cheapest first: what the refusal suggests."""
-    def fits_with(gpus=gpus_per_node, nodes_=nodes, lora=step == "lora", **changes):
+    def fits_with(gpus=gpus_per_node, nodes_=nodes, lora=step == "lora", tp=tp_size, **changes):
         job = argparse.Namespace(**{**vars(args), **changes})
-        if job.total_batch_size % (job.batch_size_per_device * gpus * nodes_):
-            job.total_batch_size = job.batch_size_per_device * gpus * nodes_  # the count the refusal names
-        estimate = estimate_memory.estimate_job(shape, job, gpus, nodes_, lora=lora)
+        if job.total_batch_size % (job.batch_size_per_device * gpus * nodes_ // tp):
+            job.total_batch_size = job.batch_size_per_device * gpus * nodes_ // tp  # the count the refusal names
+        estimate = estimate_memory.estimate_job(shape, job, gpus, nodes_, lora=lora, tp_size=tp)
         return estimate_memory.fits(estimate["peak"], gpu_memory_gib)
 
     found = []
@@ -331,10 +347,21 @@ def changes_that_fit(shape, args, gpus_per_node, nodes, step, gpu_memory_gib):
         more = [n for n in (nodes * 2 ** k for k in range(1, 10)) if n * gpus_per_node <= MAX_RANKS]
         if fitting := [n for n in more if fits_with(nodes_=n)]:
             found.append(f"{fitting[0] * gpus_per_node} GPUs (--nodes {fitting[0]})")
+    if step == "tp":  # more GPUs of a node split each layer (tensor parallelism stays inside a node)
+        larger = [t for t in range(tp_size + 1, gpus_per_node + 1) if gpus_per_node % t == 0
+                  and all(size % t == 0 for size in shape.tp_divisible)]
+        if fitting := [t for t in larger if fits_with(tp=t)]:
+            found.append(f"--tp_size {fitting[0]}")
+        return found
     if not args.cpu_offload and fits_with(cpu_offload=True):
         found.append("--cpu_offload")
     if step == "fsdp" and fits_with(lora=True, **LORA_DEFAULTS):
         found.append("step 5 (LoRA)")
+    if step == "fsdp" and gpus_per_node > 1:  # step 6: each node's GPUs split the layers
+        node = [t for t in range(2, gpus_per_node + 1) if gpus_per_node % t == 0
+                and all(size % t == 0 for size in shape.tp_divisible)]
+        if node and fits_with(tp=node[-1], sharding_strategy="FULL_SHARD", cpu_offload=False):
+            found.append(f"step 6 (--tp_size {node[-1]})")
     return found
 
 
@@ -386,19 +413,25 @@ COMPARE_RANKS = [1, 2, 4, 8, 64]
 # The options of a plan check that are the step script's own, with the same names and meaning.
 JOB_OPTIONS = ("model", "sharding_strategy", "shard_group_size", "precision", "max_seq_length",
                "batch_size_per_device", "gradient_checkpointing", "cpu_offload", "accumulate_unsharded",
-               "trust_remote_code", "lora_rank", "lora_target_modules", "optimizer")
+               "trust_remote_code", "lora_rank", "lora_target_modules", "optimizer", "tp_size")
+
+
+def step_of(args):
+    """The step a plan check's options describe: 6 with --tp_size, 5 with --lora, else 4."""
+    return "tp" if getattr(args, "tp_size", None) else "lora" if args.lora else "fsdp"
 
 
 def training_arguments(args, gpus_per_node, nodes, **changes):
     """The job as the step script's own arguments: its defaults for everything the memory does not
     depend on (learning rate, LoRA alpha, ...), the job's values for the rest, checked as it checks them."""
     job = {**vars(args), **changes}
-    step = load_step("lora" if job["lora"] else "fsdp")
+    step = load_step(step_of(argparse.Namespace(**job)))
     training = step.parse_arguments(["--output_dir", "(plan check: nothing is written)"])
     for name in JOB_OPTIONS:
         if hasattr(training, name):
             setattr(training, name, job[name])
-    training.total_batch_size = job["total_batch_size"] or job["batch_size_per_device"] * gpus_per_node * nodes
+    groups = gpus_per_node * nodes // (job.get("tp_size") or 1)  # a tensor-parallel group shares its rows
+    training.total_batch_size = job["total_batch_size"] or job["batch_size_per_device"] * groups
     check_arguments(training)
     return training
 
@@ -409,10 +442,14 @@ def size(n):
 
 def report(result):
     """The plan check's figures for people."""
+    step = {"lora": "step 5, LoRA", "tp": "step 6, tensor parallel x FSDP"}.get(result["step"], "step 4")
+    tp = result["tp_size"]
+    layout = f", mesh {result['ranks'] // tp} x {tp}: tensor parallel over {tp} GPUs" if result["step"] == "tp" else ""
     lines = [f"model: {result['model']}: {result['parameters']:,} parameters, "
-             f"{result['trainable_parameters']:,} trained ({'step 5, LoRA' if result['step'] == 'lora' else 'step 4'})",
+             f"{result['trainable_parameters']:,} trained ({step})",
              f"{result['sharding_strategy']} on {result['nodes']} node(s) x {result['gpus_per_node']} GPU(s) = "
-             f"{result['ranks']} ranks, {result['precision']} compute, sequence {result['max_seq_length']}, batch "
+             f"{result['ranks']} ranks{layout}, {result['precision']} compute, sequence {result['max_seq_length']}, "
+             "batch "
              f"{result['batch_size_per_device']} per GPU x {result['accumulation']} micro-batch(es) per step"
              + (" kept unsharded between them" if result["accumulate_unsharded"] else "")
              + (", activation checkpointing" if result["gradient_checkpointing"] else "")
@@ -526,7 +563,7 @@ def check_training_job(argv):
     check's own lines go to stderr."""
     own, training_args = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     parser = Parser("the plan check of a job given by its training arguments (after --)")
-    parser.add("step", choices=["fsdp", "lora"], default="fsdp", help="04_fsdp or 05_lora")
+    parser.add("step", choices=["fsdp", "lora", "tp"], default="fsdp", help="04_fsdp, 05_lora or 06_tp")
     parser.add("gpus_per_node", type=int, required=True, help="GPUs (ranks) per node")
     parser.add("nodes", type=int, default=1, help="nodes")
     parser.add("gpu_memory_gib", type=float, default=None, help="memory of one GPU (default: this machine's, else 80)")
@@ -571,7 +608,7 @@ def main(argv=None):
         print(compare_table(args))
         return 0
     result = plan(training_arguments(args, args.gpus_per_node, args.nodes), args.gpus_per_node, args.nodes,
-                  "lora" if args.lora else "fsdp", args.gpu_memory_gib)
+                  step_of(args), args.gpu_memory_gib)
     print(json.dumps(result, indent=1) if args.json else report(result))
     return 0 if result["fits"] else 1
 

@@ -1,13 +1,16 @@
-"""How much GPU memory will a step-4/5 job need? A per-GPU estimate from formulas, before you queue.
+"""How much GPU memory will a step-4/5/6 job need? A per-GPU estimate from formulas, before you queue.
 
     python tools/estimate_memory.py --gpus_per_node 4 --nodes 1 --max_seq_length 4096
     python tools/estimate_memory.py --table --gradient_checkpointing     # 1/2/4/8 GPUs x strategies
     python tools/estimate_memory.py --lora --gpus_per_node 1             # step 5: LoRA adapters
+    python tools/estimate_memory.py --tp_size 8 --gpus_per_node 8 --nodes 4 --max_seq_length 16384  # step 6
+    python tools/estimate_memory.py --tp_table --model codellama/CodeLlama-70b-hf  # FSDP alone vs 2-D
     python tools/estimate_memory.py --model demo/model --gpus_per_node 2 --max_seq_length 256
 
 The model is described by its config only: a local directory with config.json, a config.json, or
 a Hugging Face id already in the local cache. Nothing is downloaded. For codellama/CodeLlama-7b-hf
-the kit's copy of its config (benchmark/codellama-7b-config.json) is used when the cache lacks it.
+the kit's copy of its config (benchmark/codellama-7b-config.json) is used when the cache lacks it,
+and likewise for codellama/CodeLlama-70b-hf (benchmark/codellama-70b-config.json).
 Its twin, tools/check_plan.py, measures the same job by running the training code on fake
 tensors; 04_fsdp/MEMORY.md compares the two.
 
@@ -98,8 +101,29 @@ It fits when
 --cpu_offload (FSDP2 CPUOffloadPolicy) keeps the sharded state in host RAM and runs the optimizer
 step on the CPU (plain per-tensor loop, no big temporaries): the GPU keeps only the working set
 and activations. Host RAM per node is then gpus_per_node x sharded state.
+
+--tp_size t (step 6, 06_tp/train.py: tensor parallel over groups of t GPUs, FSDP over the
+GPUs / t groups, FULL_SHARD or SHARD_GRAD_OP). Every parameter is first split by tensor parallelism
+(q/k/v/gate/up and lm_head keep 1/t of their rows, o/down 1/t of their columns, the embedding 1/t
+of its hidden columns; the norms stay whole on every rank), then that part is sharded by FSDP over
+the dp = GPUs / t groups (dim 0 padded to a multiple of dp): the state is about 1/GPUs, as with
+FULL_SHARD over all GPUs. Gathered weights and the reduce-scatter buffer are 1/t of a layer's.
+Activations per token with sequence parallelism (h, kv, i, c as above):
+    attention  c x h + c x (2h + 2kv) / t   the input of q/k/v all-gathered whole; q, k, v and the
+                                            attention output of this rank's heads
+    MLP        c x h + c x 4i / t           the input of gate/up whole; its part of the MLP
+    2 RMSNorms 2 x (4 + c) x h / t          on this rank's part of the sequence
+    checkpointed: each layer's input, a part of the sequence (c x h / t), the first layer's whole
+    head       the final norm's on 1/t of the sequence, lm_head's input whole, the logits, their
+               fp32 copy and log-softmax 1/t of the vocabulary (the loss on the parts); loss parallel's
+               log-softmax is unfused: in forward one more fp32 copy (c + 4 + 8 bytes per logit in
+               all), at the start of backward 24 bytes per logit where the fused kernel keeps 12
+               (fitted to what FSDPMemTracker measures)
+    backward   s x b x c x (2h + 4i / t)
+At t = 1 these are the formulas above. Rows per forward pass: a tensor-parallel group shares them.
 """
 import argparse
+import itertools
 import math
 from collections import namedtuple
 from pathlib import Path
@@ -111,6 +135,7 @@ from common.batch import gradient_accumulation_steps
 from common.errors import UserError, exit_on_user_error, first_line
 from common.model import check_max_seq_length, config_warnings_refused
 from common.optim import buckets
+from common.tensor_parallel import check_tp_size
 
 REPO = Path(__file__).resolve().parents[1]
 GiB = 1024 ** 3
@@ -134,7 +159,8 @@ LINEAR_INPUTS = {("q_proj", "k_proj", "v_proj"): "h", ("gate_proj", "up_proj"): 
 
 # For codellama/CodeLlama-7b-hf the kit ships a copy of its config.json, so that the estimate and the
 # plan check work with no cache at all.
-BUILT_IN_CONFIGS = {"codellama/CodeLlama-7b-hf": REPO / "benchmark" / "codellama-7b-config.json"}
+BUILT_IN_CONFIGS = {"codellama/CodeLlama-7b-hf": REPO / "benchmark" / "codellama-7b-config.json",
+                    "codellama/CodeLlama-70b-hf": REPO / "benchmark" / "codellama-70b-config.json"}
 
 # One parameter as FSDP shards it: its shape, whether AdamW trains it, bytes per element as stored.
 Param = namedtuple("Param", "shape trainable bytes")
@@ -185,16 +211,25 @@ def load_config(model, trust_remote_code=False):
 class ModelShape:
     """What the estimate needs to know: parameter names and shapes per FSDP unit, and the layer sizes."""
 
-    def __init__(self, name, root_shapes, layers, config):
+    def __init__(self, name, root, layers, config):
         self.name = name
-        self.root_shapes = root_shapes  # outside the decoder layers: embeddings, final norm, lm_head
+        self.root = root  # outside the decoder layers: [(parameter name, shape)] of embeddings, final norm, lm_head
         self.layers = layers  # per decoder layer: [(parameter name, shape)]
         self.vocab_size = config.vocab_size
         self.hidden_size = config.hidden_size
         self.intermediate_size = config.intermediate_size
         self.num_heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.kv_size = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.kv_size = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * self.head_dim
+
+    @property
+    def root_shapes(self):
+        return [shape for _, shape in self.root]
+
+    @property
+    def tp_divisible(self):
+        """What tensor parallelism splits into equal parts: heads, key-value heads, the MLP's width."""
+        return (self.num_heads, self.kv_size // self.head_dim, self.intermediate_size)
 
     @property
     def layer_shapes(self):
@@ -229,9 +264,9 @@ def model_shape(config, name, trust_remote_code=False):
     if layers is None:
         raise UserError(f"{name}: no model.model.layers, which 04_fsdp shards one by one")
     in_layers = {id(p) for p in layers.parameters()}
-    root_shapes = [tuple(p.shape) for p in model.parameters() if id(p) not in in_layers]
-    return ModelShape(name, root_shapes, [[(n, tuple(p.shape)) for n, p in layer.named_parameters()]
-                                          for layer in layers], config)
+    root = [(n, tuple(p.shape)) for n, p in model.named_parameters() if id(p) not in in_layers]
+    return ModelShape(name, root, [[(n, tuple(p.shape)) for n, p in layer.named_parameters()]
+                                   for layer in layers], config)
 
 
 def linear_name(parameter_name):
@@ -240,15 +275,35 @@ def linear_name(parameter_name):
     return parts[-2] if len(parts) >= 2 and parts[-1] == "weight" and parts[-2].endswith("proj") else None
 
 
-def fsdp_units(shape, lora_rank=None, lora_targets=(), qlora=False):
+# Step 6's split of each parameter over a tensor-parallel group (06_tp/train.py's plans): the
+# dimension cut into t parts. Norms (and anything else) stay whole on every rank of the group.
+TP_ROWS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")  # colwise: output features
+TP_COLUMNS = ("o_proj", "down_proj", "embed_tokens")  # rowwise: input features; the embedding: hidden
+
+
+def tp_part(name, shape, tp_size):
+    """A parameter's shape on one rank of a tensor-parallel group of `tp_size` (the largest part,
+    where a dimension does not divide)."""
+    module = name.rsplit(".", 2)[-2] if "." in name else name  # "model.embed_tokens.weight": "embed_tokens"
+    if module in TP_ROWS and shape:
+        dim = 0  # weight and bias alike
+    elif module in TP_COLUMNS and len(shape) == 2:
+        dim = 1  # a rowwise layer's bias stays whole, like a norm
+    else:
+        return shape
+    return tuple(math.ceil(size / tp_size) if d == dim else size for d, size in enumerate(shape))
+
+
+def fsdp_units(shape, lora_rank=None, lora_targets=(), qlora=False, tp_size=1):
     """The FSDP units, root first, then one per decoder layer: lists of Params. Full fine-tuning
     trains everything; LoRA freezes the model and adds trainable A (r x in) and B (out x r) beside
-    each target linear layer; QLoRA also stores the decoder's frozen linear weights in 4 bits."""
+    each target linear layer; QLoRA also stores the decoder's frozen linear weights in 4 bits.
+    With tensor parallelism (step 6) each parameter is this rank's part of it (tp_part)."""
     lora = lora_rank is not None
-    units = [[Param(s, not lora, PARAM_BYTES) for s in shape.root_shapes]]
+    units = [[Param(tp_part(n, s, tp_size), not lora, PARAM_BYTES) for n, s in shape.root]]
     for layer in shape.layers:
         unit = []
-        for name, (rows, *rest) in layer:
+        for name, (rows, *rest) in ((n, tp_part(n, s, tp_size)) for n, s in layer):
             linear = linear_name(name)
             unit.append(Param((rows, *rest), not lora, NF4_BYTES if qlora and linear else PARAM_BYTES))
             if lora and linear in lora_targets:
@@ -327,15 +382,17 @@ def gathered_bytes(unit, compute_bytes):
     return sum(math.prod(p.shape) * (p.bytes if p.bytes == NF4_BYTES else compute_bytes) for p in unit)
 
 
-def layer_activation_bytes_per_token(shape, compute_bytes, attention, seq_length, lora_rank=None, lora_targets=()):
-    """What one decoder layer keeps for backward, per token (see the module docstring)."""
-    h, kv, i, c = shape.hidden_size, shape.kv_size, shape.intermediate_size, compute_bytes
-    attention_part = c * (3 * h + 2 * kv)
-    mlp_part = c * (h + 4 * i)
-    norms = 2 * (4 + c) * h  # RMSNorm computes in fp32 and keeps its fp32 input
+def layer_activation_bytes_per_token(shape, compute_bytes, attention, seq_length, lora_rank=None, lora_targets=(),
+                                     tp_size=1):
+    """What one decoder layer keeps for backward, per token (see the module docstring); with tensor
+    parallelism over tp_size ranks, this rank's part (its heads, its part of the MLP and of the sequence)."""
+    h, kv, i, c, t = shape.hidden_size, shape.kv_size, shape.intermediate_size, compute_bytes, tp_size
+    attention_part = c * h + c * (2 * h + 2 * kv) / t  # the (gathered) input of q/k/v is whole
+    mlp_part = c * h + c * 4 * i / t
+    norms = 2 * (4 + c) * h / t  # RMSNorm computes in fp32 and keeps its fp32 input
     scores = 0
     if attention == "eager":  # softmax in fp32, then cast to c: the s x s matrices per head stay
-        scores = shape.num_heads * seq_length * (4 + (c if c < 4 else 0))
+        scores = shape.num_heads * seq_length * (4 + (c if c < 4 else 0)) / t
     total = attention_part + mlp_part + norms + scores
     if lora_rank is not None:
         total -= 2 * c * h  # frozen norm weights: their normalised output is not needed
@@ -344,20 +401,21 @@ def layer_activation_bytes_per_token(shape, compute_bytes, attention, seq_length
                 total -= c * {"h": h, "i": i}[width]
         layer_linears = {linear_name(name) for name, _ in shape.layers[0]}
         total += c * lora_rank * len(layer_linears & set(lora_targets))  # A's output, kept for B
-    return total
+    return math.ceil(total)
 
 
 def estimate(shape, strategy="FULL_SHARD", gpus_per_node=1, nodes=1, precision="bf16", seq_length=4096,
              batch_size=1, gradient_checkpointing=False, cpu_offload=False, attention="sdpa", accumulation=1,
              shard_group_size=None, accumulate_unsharded=False, lora_rank=None, lora_targets=(), qlora=False,
-             optimizer="adamw"):
+             optimizer="adamw", tp_size=1):
     """Per-GPU bytes of every part, of the four moments that can be the peak, and the peak; host
     RAM per node for an offloaded state. All in bytes. lora_rank=None: full fine-tuning. The
-    moments and their parts are those of the module docstring."""
+    moments and their parts are those of the module docstring. tp_size > 1: step 6, FSDP over the
+    gpus / tp_size data-parallel groups of this rank's tensor-parallel parts."""
     c, h, i, vocab = COMPUTE_BYTES[precision], shape.hidden_size, shape.intermediate_size, shape.vocab_size
-    tokens, layers, lora = seq_length * batch_size, shape.num_layers, lora_rank is not None
-    degree = shard_degree(strategy, gpus_per_node, nodes, shard_group_size)
-    units = fsdp_units(shape, lora_rank, lora_targets, qlora)
+    tokens, layers, lora, t = seq_length * batch_size, shape.num_layers, lora_rank is not None, tp_size
+    degree = shard_degree(strategy, gpus_per_node, nodes, shard_group_size) // t
+    units = fsdp_units(shape, lora_rank, lora_targets, qlora, t)
     state = sharded_state_bytes(units, degree, optimizer)
     keep = accumulate_unsharded and accumulation > 1  # until the last micro-batch nothing is re-sharded
     on_gpu = 0 if cpu_offload else 1  # offloaded: the sharded state is in host RAM
@@ -373,16 +431,24 @@ def estimate(shape, strategy="FULL_SHARD", gpus_per_node=1, nodes=1, precision="
     layer_gradients = sharded_bytes([p.shape for unit in units[1:] for p in unit if p.trainable], degree, GRAD_BYTES)
 
     # Activations.
-    one_layer = tokens * layer_activation_bytes_per_token(shape, c, attention, seq_length, lora_rank, lora_targets)
-    layer_input = tokens * c * h
-    kept_activations = layers * (layer_input if gradient_checkpointing else one_layer)
+    one_layer = tokens * layer_activation_bytes_per_token(shape, c, attention, seq_length, lora_rank, lora_targets, t)
+    layer_input = math.ceil(tokens * c * h / t)  # tensor parallel: a part of the sequence (the first layer's: whole)
+    kept_activations = (layers * layer_input + tokens * c * h - layer_input if gradient_checkpointing
+                        else layers * one_layer)
     recomputed = one_layer if gradient_checkpointing else 0  # one layer at a time, in backward
-    norm = (4 if lora else 4 + 2 * c) * h  # the final norm's fp32 input (and its output and lm_head's input)
+    # the final norm's fp32 input and its output (a part of the sequence), and lm_head's input (whole)
+    norm = 4 * h if lora else math.ceil((4 + c) * h / t) + c * h
     upcast = 4 if c < 4 else 0  # the loss runs on an fp32 copy of the logits
-    head_forward = tokens * (norm + (c + upcast + 4) * vocab)  # logits, fp32 copy, log-softmax
-    lm_head_running = tokens * (norm + c * vocab)  # logits only, while the root is still gathered
-    head_backward = tokens * (norm + 3 * 4 * vocab)  # log-softmax, its gradient, one temporary (fp32)
-    layer_backward = tokens * c * (2 * h + 4 * i)  # gradients of a layer's output and its MLP's tensors
+    vocab_part = math.ceil(vocab / t)  # the loss on the parts (loss parallel)
+    # Loss parallel computes the log-softmax in steps (x - max, its exp, the result: one more fp32 copy)
+    # and its backward keeps twice the temporaries of the fused kernel (fitted to FSDPMemTracker's figures).
+    parallel_loss = t > 1
+    # logits, their fp32 copy, the log-softmax
+    head_forward = tokens * (norm + (c + upcast + (8 if parallel_loss else 4)) * vocab_part)
+    lm_head_running = tokens * (norm + c * vocab_part)  # logits only, while the root is still gathered
+    # the log-softmax, its gradient and temporaries (fp32)
+    head_backward = tokens * (norm + (24 if parallel_loss else 12) * vocab_part)
+    layer_backward = tokens * c * (2 * h + math.ceil(4 * i / t))  # gradients of a layer's output and its MLP's
 
     # foreach AdamW: a copy of exp_avg_sq (offloaded: none, the step runs on the CPU); then Muon's buckets
     # on the GPU, with or without offload
@@ -411,17 +477,21 @@ def estimate(shape, strategy="FULL_SHARD", gpus_per_node=1, nodes=1, precision="
             "trainable_parameters": sum(trainable)}
 
 
-def estimate_job(shape, args, gpus_per_node, nodes, lora=False, attention="sdpa"):
-    """estimate() for a job's training arguments (04_fsdp's, or 05_lora's with lora=True)."""
+def estimate_job(shape, args, gpus_per_node, nodes, lora=False, attention="sdpa", tp_size=None):
+    """estimate() for a job's training arguments (04_fsdp's, 05_lora's with lora=True, or 06_tp's,
+    whose tensor-parallel size is `tp_size` or else args.tp_size)."""
+    tp_size = tp_size or getattr(args, "tp_size", None) or 1
     accumulation = gradient_accumulation_steps(args.total_batch_size, args.batch_size_per_device,
-                                               gpus_per_node * nodes)
+                                               gpus_per_node * nodes // tp_size)
     targets = args.lora_target_modules if lora else ()
     return estimate(shape, args.sharding_strategy, gpus_per_node, nodes, args.precision or "bf16",
-                    args.max_seq_length, args.batch_size_per_device, args.gradient_checkpointing, args.cpu_offload,
-                    attention, accumulation, args.shard_group_size, args.accumulate_unsharded,
+                    args.max_seq_length, args.batch_size_per_device, args.gradient_checkpointing,
+                    getattr(args, "cpu_offload", False), attention, accumulation,
+                    getattr(args, "shard_group_size", None), args.accumulate_unsharded,
                     lora_rank=args.lora_rank if lora else None,
                     lora_targets=targets.split(",") if isinstance(targets, str) else targets,
-                    qlora=lora and getattr(args, "qlora", False), optimizer=getattr(args, "optimizer", "adamw"))
+                    qlora=lora and getattr(args, "qlora", False), optimizer=getattr(args, "optimizer", "adamw"),
+                    tp_size=tp_size)
 
 
 def needed_bytes(peak):
@@ -476,13 +546,14 @@ def setup_line(args, accumulation):
 
 def report(shape, source, args):
     """The human-readable estimate for one setup."""
-    gpus = args.gpus_per_node * args.nodes
+    tp = args.tp_size or 1
+    groups = args.gpus_per_node * args.nodes // tp  # the GPUs, or with tensor parallelism their groups
     args = argparse.Namespace(**{**vars(args), "total_batch_size": args.total_batch_size
-                                 or args.batch_size_per_device * gpus})
+                                 or args.batch_size_per_device * groups})
     est = estimate_job(shape, args, args.gpus_per_node, args.nodes, args.lora, args.attention)
-    accumulation = gradient_accumulation_steps(args.total_batch_size, args.batch_size_per_device, gpus)
+    accumulation = gradient_accumulation_steps(args.total_batch_size, args.batch_size_per_device, groups)
     where = "host RAM" if args.cpu_offload else "fp32"
-    share = f"1/{est['shard_degree']}"
+    share = f"1/{est['shard_degree']}" + (f" of a 1/{tp} tensor-parallel part" if tp > 1 else "")
     layers = f"{shape.num_layers} decoder layers, {'' if args.gradient_checkpointing else 'not '}checkpointed"
     keep = args.accumulate_unsharded and accumulation > 1
     gathered = "the whole model" if args.sharding_strategy == "SHARD_GRAD_OP" or keep else "root + 2 decoder layers"
@@ -504,7 +575,8 @@ def report(shape, source, args):
     moments = [(label, est[key]) for key, label in MOMENT_LABELS.items()]
     needed = needed_bytes(est["peak"])
     margin = f"margin ({MARGIN_FIXED_GIB:g} GiB CUDA context/NCCL + {MARGIN_FRACTION:.0%} fragmentation)"
-    layout = f"{args.sharding_strategy} on {args.nodes} node(s) x {args.gpus_per_node} GPU(s)"
+    layout = f"{args.sharding_strategy} on {args.nodes} node(s) x {args.gpus_per_node} GPU(s)" + (
+        f", tensor parallel over {tp} (step 6: mesh {groups} x {tp})" if tp > 1 else "")
     verdict = "fits" if fits(est["peak"], args.gpu_memory_gib) else "does NOT fit"
     lines = [f"model: {source}: {shape.num_params:,} parameters, {est['trainable_parameters']:,} trained",
              f"{layout}; shard degree {est['shard_degree']}", setup_line(args, accumulation), "",
@@ -556,6 +628,36 @@ def table(shape, source, args):
     return "\n".join(lines)
 
 
+TP_TABLE_NODES, TP_TABLE_SEQUENCES = (1, 2, 4), (4096, 16384)
+
+
+def tp_table(shape, source, args):
+    """Markdown: where tensor parallelism is what makes a job fit. 1, 2 and 4 nodes of --gpus_per_node
+    GPUs, one row per GPU and step, at sequence 4,096 and 16,384: FSDP alone (step 4, FULL_SHARD over
+    every GPU) against step 6 (tensor parallel over each node's GPUs, FSDP across nodes), with and
+    without activation checkpointing. A cell: GiB needed per GPU (peak + margin), and whether it fits."""
+    per_node = args.gpus_per_node
+    columns = [("FSDP", None, False), ("FSDP + checkpointing", None, True), (f"TP {per_node} × FSDP", per_node, False),
+               (f"TP {per_node} × FSDP + checkpointing", per_node, True)]
+    lines = [f"model: {source}: {shape.num_params:,} parameters; {args.precision} compute, batch "
+             f"{args.batch_size_per_device} row per GPU (TP: per group), 1 micro-batch per step, full fine-tuning; "
+             f"nodes of {per_node} GPUs of {args.gpu_memory_gib:g} GiB. GiB needed per GPU (peak + margin):", "",
+             "| nodes × GPUs | sequence | " + " | ".join(name for name, _, _ in columns) + " |",
+             "|---|---:|" + "---:|" * len(columns)]
+    for nodes, seq_length in itertools.product(TP_TABLE_NODES, TP_TABLE_SEQUENCES):
+        cells = []
+        for _, tp_size, checkpointing in columns:
+            groups = per_node * nodes // (tp_size or 1)
+            job = argparse.Namespace(**{**vars(args), "sharding_strategy": "FULL_SHARD", "shard_group_size": None,
+                                        "tp_size": tp_size, "max_seq_length": seq_length, "lora": False,
+                                        "gradient_checkpointing": checkpointing, "cpu_offload": False,
+                                        "total_batch_size": args.batch_size_per_device * groups})
+            peak = estimate_job(shape, job, per_node, nodes)["peak"]
+            cells.append(f"{needed_bytes(peak) / GiB:.1f} {'fits' if fits(peak, args.gpu_memory_gib) else 'no'}")
+        lines.append(f"| {nodes} × {per_node} | {seq_length:,} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def add_job_options(parser):
     """The options that describe a job, named as the training scripts name them (shared with check_plan.py)."""
     parser.add("model", default="codellama/CodeLlama-7b-hf",
@@ -580,6 +682,8 @@ def add_job_options(parser):
     parser.add("optimizer", choices=["adamw", "muon"], default="adamw",
                help="as train.py's: adamw, or muon (Muon for the decoder's matrices or LoRA's adapters, AdamW for "
                     "the rest)")
+    parser.add("tp_size", type=int, default=None,
+               help="step 6: GPUs that split each layer (tensor parallel), FSDP over the rest (default: none, step 4)")
     parser.add("lora", action="store_true", help="step 5: LoRA adapters on a frozen model")
     parser.add("lora_rank", type=int, default=LORA_RANK, help="with --lora: rank r of the adapters")
     parser.add("lora_target_modules", default=LORA_TARGETS, help="with --lora: linear layers that get adapters")
@@ -595,6 +699,13 @@ def check_job_options(args):
     gpus = args.gpus_per_node * args.nodes
     if args.shard_group_size is not None and (args.shard_group_size < 1 or gpus % args.shard_group_size):
         raise UserError(f"--shard_group_size {args.shard_group_size} does not divide the {gpus} GPUs")
+    if args.tp_size is not None:
+        if args.tp_size < 1 or gpus % args.tp_size:
+            raise UserError(f"--tp_size {args.tp_size} does not divide the {gpus} GPUs into tensor-parallel groups")
+        if args.lora or args.cpu_offload or args.sharding_strategy not in ("FULL_SHARD", "SHARD_GRAD_OP"):
+            raise UserError("--tp_size is step 6: FSDP FULL_SHARD or SHARD_GRAD_OP over the tensor-parallel groups, "
+                            "without --lora, --cpu_offload, HYBRID_SHARD or NO_SHARD")
+        gpus //= args.tp_size  # the groups share out the batch
     if args.total_batch_size is not None:  # default: one micro-batch per GPU
         gradient_accumulation_steps(args.total_batch_size, args.batch_size_per_device, gpus)  # refuses a bad split
     args.lora_target_modules = [name.strip() for name in args.lora_target_modules.split(",") if name.strip()]
@@ -614,6 +725,9 @@ def parse_arguments(argv=None):
     parser.add("attention", choices=["sdpa", "eager"], default="sdpa",
                help="sdpa (the default; flash-style kernels keep no s x s scores) or eager")
     parser.add("table", action="store_true", help="markdown table: 1/2/4/8 GPUs x each strategy")
+    parser.add("tp_table", action="store_true",
+               help="markdown table: 1, 2 and 4 nodes of --gpus_per_node GPUs at sequence 4096 and 16384, FSDP alone "
+                    "against tensor parallel over each node's GPUs x FSDP across nodes, with and without checkpointing")
     args = parser.parse_args(argv)
     check_job_options(args)
     if args.qlora and not args.lora:
@@ -626,6 +740,14 @@ def main(argv=None):
     config, source = load_config(args.model)
     shape = model_shape(config, args.model)
     check_max_seq_length(config, args.max_seq_length, args.model)  # no verdict on rows the model cannot take
+    if args.tp_size:
+        check_tp_size(args.tp_size, args.gpus_per_node * args.nodes, config, args.model)
+    if args.tp_table:
+        for seq_length in TP_TABLE_SEQUENCES:
+            check_max_seq_length(config, seq_length, args.model)
+        check_tp_size(args.gpus_per_node, args.gpus_per_node, config, args.model)
+        print(tp_table(shape, source, args))
+        return
     print(table(shape, source, args) if args.table else report(shape, source, args))
 
 

@@ -1,0 +1,95 @@
+#!/bin/bash
+# Step 6 on a Slurm cluster: tensor parallel over the GPUs of each node, FSDP across the nodes.
+#
+#   sbatch slurm/tp.sh                                     # from the repository root: the demo
+#   MODEL=codellama/CodeLlama-7b-hf DATA_DIR=/scratch/$USER/chess/data sbatch slurm/tp.sh --max_seq_length 16384
+#   TOTAL_BATCH_SIZE=8 BATCH_SIZE_PER_DEVICE=1 sbatch --nodes=4 --gpus-per-node=8 slurm/tp.sh --tp_size 4
+#
+# Arguments after the script name go to 06_tp/train.py (--help lists them); --tp_size defaults to
+# the GPUs of one node (lowered to what the model's heads and MLP divide by). Before training, the
+# plan check (tools/check_plan.py --step tp) stops a job that cannot fit in GPU memory: FORCE=1 skips it.
+#
+# ---- site setup: edit this block for your cluster ------------------------------------------
+#SBATCH --job-name=tp
+#SBATCH --output=%x-%j.out
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1        # one torchrun per node; it starts one process per GPU
+#SBATCH --gpus-per-node=4          # one tensor-parallel group per node (NVLink inside it)
+#SBATCH --cpus-per-task=32         # for the whole node: torchrun and all its processes
+#SBATCH --mem=256G                 # per node
+#SBATCH --time=02:00:00
+##SBATCH --partition=gpu           # remove one '#' to use
+##SBATCH --account=my_project
+# Software: by default the job runs in the environment of the shell that ran sbatch (sbatch
+# passes it on). To set it up here instead, uncomment and adapt:
+# module load cuda/12.4
+# source "$HOME/venvs/chess/bin/activate"      # or: conda activate chess-fsdp
+# export HF_HOME=/scratch/$USER/huggingface    # the cache that 01_download filled
+# ---- end of site setup -----------------------------------------------------------------------
+# Preemption and time limits (slurm/preemption.sh): a warning 300 s before the time limit, a
+# checkpoint, and the job requeued under the same id.
+#SBATCH --signal=B:USR2@300
+#SBATCH --requeue
+#SBATCH --open-mode=append
+
+set -euo pipefail
+[[ -n ${SLURM_JOB_ID:-} ]] || { echo "error: submit this script with sbatch (it needs a Slurm allocation)" >&2; exit 2; }
+cd "$SLURM_SUBMIT_DIR"  # sbatch runs a copy of this file: the kit is where sbatch was run
+
+# The run. Paths are relative to the repository root; set any of these in the shell that runs sbatch.
+MODEL=${MODEL:-demo/model}
+DATA_DIR=${DATA_DIR:-demo/data}
+OUTPUT_DIR=${OUTPUT_DIR:-runs/$SLURM_JOB_NAME-$SLURM_JOB_ID}
+TOTAL_BATCH_SIZE=${TOTAL_BATCH_SIZE:-64}        # rows per optimiser step, the same at any GPU count
+BATCH_SIZE_PER_DEVICE=${BATCH_SIZE_PER_DEVICE:-4}  # rows per forward pass of a tensor-parallel group
+
+# The GPUs come from the allocation (`sbatch --gpus-per-node=2` beats the header). The training
+# script works out the gradient accumulation, TOTAL_BATCH_SIZE / (BATCH_SIZE_PER_DEVICE × GPUs /
+# tp_size): the GPUs of a tensor-parallel group share their rows. It refuses a total that does not divide.
+GPUS_PER_NODE=${SLURM_GPUS_ON_NODE:-0}
+((GPUS_PER_NODE > 0)) || { echo "error: this job has no GPUs: keep '#SBATCH --gpus-per-node=N'" >&2; exit 2; }
+(cd / && python -c 'import common') 2>/dev/null || { echo "error: the kit is not installed in the job's" \
+  "Python: activate its environment before sbatch (or in the site-setup block)" >&2; exit 2; }
+echo "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $SLURM_NNODES node(s) × $GPUS_PER_NODE GPU(s)" \
+  "on $SLURM_JOB_NODELIST; output in $OUTPUT_DIR"
+
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1  # compute nodes are offline: everything is on disk (01_download)
+# Memory freed in one size is reused for another (less fragmentation: fewer out-of-memory errors with
+# free memory left, e.g. with FSDP's changing gather sizes); a value set before sbatch wins.
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+# The node's CPUs, split among its GPUs' processes; at least 1: OpenMP refuses 0 (2 CPUs, 4 GPUs)
+# with a warning, and every process then runs a thread on each of the node's cores.
+CPUS_PER_GPU=$(( ${SLURM_CPUS_PER_TASK:-$GPUS_PER_NODE} / GPUS_PER_NODE ))
+export OMP_NUM_THREADS=$(( CPUS_PER_GPU > 0 ? CPUS_PER_GPU : 1 ))
+export SRUN_CPUS_PER_TASK=${SLURM_CPUS_PER_TASK:-1}  # srun of Slurm 22.05-23.02 does not inherit it
+
+# All nodes' processes meet at a rendezvous on the first node, on a port derived from the job id
+# (jobs sharing a node never collide); a requeued job keeps its id, so the restart count makes a
+# fresh rendezvous for each attempt.
+FIRST_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+RDZV_PORT=$((20000 + SLURM_JOB_ID % 20000))
+echo "rendezvous $FIRST_NODE:$RDZV_PORT id $SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}"
+# shellcheck source=slurm/preemption.sh
+source slurm/preemption.sh  # the USR2 and TERM traps, USR2_IGNORED, wait_for_training
+
+TRAINING_ARGS=(--model "$MODEL" --data_dir "$DATA_DIR" --output_dir "$OUTPUT_DIR"
+  --total_batch_size "$TOTAL_BATCH_SIZE" --batch_size_per_device "$BATCH_SIZE_PER_DEVICE" "$@")
+
+# Will it fit? The plan check runs this job's step-6 code on fake tensors (a fake process group
+# split into the job's tensor-parallel and data-parallel groups), on the CPU, in seconds (about
+# 2 minutes for a 70B model on 32 GPUs), and stops a job that cannot fit, saying what to change,
+# before any weights load. GPU_MEMORY_GIB=40 for another GPU than this node's; FORCE=1 skips it.
+# A requeued job was checked at its first start.
+if [[ -z ${FORCE:-} ]] && ((${SLURM_RESTART_COUNT:-0} == 0)); then
+  python tools/check_plan.py --step tp --gpus_per_node "$GPUS_PER_NODE" --nodes "$SLURM_NNODES" \
+    ${GPU_MEMORY_GIB:+--gpu_memory_gib "$GPU_MEMORY_GIB"} --override "FORCE=1 sbatch" -- "${TRAINING_ARGS[@]}"
+fi
+
+# One torchrun per node (srun starts them); each starts one process per GPU. A failure anywhere
+# ends the whole step (--kill-on-bad-exit). torchrun ignores USR2 (its processes handle it).
+# `python -m launch.torchrun` is torchrun itself, with a user's mistake reported as one line.
+srun --kill-on-bad-exit=1 --nodes="$SLURM_NNODES" --ntasks-per-node=1 "${USR2_IGNORED[@]}" \
+  python -m launch.torchrun --nnodes="$SLURM_NNODES" --nproc-per-node="$GPUS_PER_NODE" \
+  --rdzv-backend=c10d --rdzv-endpoint="$FIRST_NODE:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}" \
+  06_tp/train.py "${TRAINING_ARGS[@]}" &
+wait_for_training $!
