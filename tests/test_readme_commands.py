@@ -237,7 +237,7 @@ def test_the_plan_check_refusal_is_one_error_line(results):
 
 def test_the_diffs_show_each_steps_lesson(results):
     diffs = {command: done for command, (done, _) in results.items() if command.startswith("diff ")}
-    assert len(diffs) == 3, sorted(diffs)
+    assert len(diffs) == 4, sorted(diffs)  # steps 3, 4, 5 and 6
     assert all(done.returncode == 1 and done.stdout for done in diffs.values())
 
 
