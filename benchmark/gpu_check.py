@@ -76,7 +76,8 @@ GiB = 1024 ** 3
 COLUMNS = ["check", "setup", "result", "tokens/s per GPU (rank)", "MFU", "peak allocated GiB/GPU",
            "plan check's peak GiB", "mean loss", "time s"]
 QLORA_LOSS_TOLERANCE = 0.02  # QLoRA's mean loss within 2 % of LoRA's over the same steps
-DEMO_STEPS = 40
+DEMO_STEPS = 40  # of the demo model's rows on a GPU
+CPU_DEMO_STEPS = 12  # on the CPU, whose rows only show that each path runs
 MOST_ROWS = 16  # the 7B-shape runs try up to this many rows per GPU
 FULL_ROWS = 4  # the full fine-tune keeps as many layers as fit with this many rows per GPU
 # id: (check, seconds it needs at least: a row is not started with less time left). Measured on one
@@ -123,6 +124,7 @@ class Runner:
 
     def __init__(self, args, on_gpu, ranks, hardware):
         self.args, self.on_gpu, self.ranks, self.hardware = args, on_gpu, ranks, hardware
+        self.demo_steps = DEMO_STEPS if on_gpu else CPU_DEMO_STEPS
         self.work_dir = Path(args.work_dir)
         self.deadline = time.monotonic() + args.time_limit
         self.rows = []
@@ -446,9 +448,9 @@ def main():
     print(f"gpu_check on {hardware}: {', '.join(args.only)} within {args.time_limit} s", flush=True)
 
     def demo(total_batch_size):  # a few steps, one evaluation, a save
-        return ["--model", args.tokenizer, "--max_steps", DEMO_STEPS, "--eval_every", 0, "--eval_rows", 2 * ranks,
-                "--eval_games", 2 * ranks, "--max_seq_length", 128, "--total_batch_size", total_batch_size,
-                "--batch_size_per_device", 4]
+        return ["--model", args.tokenizer, "--max_steps", runner.demo_steps, "--eval_every", 0,
+                "--eval_rows", 2 * ranks, "--eval_games", 2 * ranks, "--max_seq_length", 128,
+                "--total_batch_size", total_batch_size, "--batch_size_per_device", 4]
     sharded_demo = demo(4 * ranks) + ["--precision", precision]
 
     # The 7B-shape jobs (random weights), decided first, so that their plan checks run beside the demo's rows.
@@ -577,7 +579,7 @@ def preemption(runner, arguments, backend):
     if status == "ok":
         reference = next((r for r in runner.rows if r["check"] == ROWS["step4"][0] and r["result"] == "ok"), None)
         steps = [r["step"] for r in read_records(output_dir)]
-        if steps != list(range(1, DEMO_STEPS + 1)):
+        if steps != list(range(1, runner.demo_steps + 1)):
             row["result"] = f"FAILED: the resumed run's steps are not each step once ({steps})"
         elif reference is None:
             row["result"] = f"ok: {saved[0]}, resumed to the end (no step4 row to compare its losses with)"

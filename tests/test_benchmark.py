@@ -44,9 +44,12 @@ def test_full_benchmark_covers_every_configuration_at_each_accumulation_with_one
             for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
                 assert {f"fsdp {strategy} x2", f"fsdp {strategy} x4"} <= set(names)
             assert {"single", "ddp x4", "fsdp HYBRID_SHARD x4", "fsdp FULL_SHARD x2 no packing"} <= set(names)
+    assert {"tp 2x2", "tp 1x4"} <= set(names)  # step 6 beside FSDP on 4 ranks
     for r in compared + others:
         per_device, total = per_device_and_accumulation(r.extra)
-        assert total == run.GLOBAL_BATCH_ROWS and per_device * r.ranks * r.accumulation == total, r
+        # a tensor-parallel group of --tp_size ranks shares its rows: the batch is shared by group
+        groups = r.ranks // (int(r.extra[r.extra.index("--tp_size") + 1]) if "--tp_size" in r.extra else 1)
+        assert total == run.GLOBAL_BATCH_ROWS and per_device * groups * r.accumulation == total, r
 
 
 def test_the_wide_vocab_model_tokenizes_the_games_as_the_demo_and_is_reproducible(demo, tmp_path):
