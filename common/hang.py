@@ -104,9 +104,11 @@ class Watchdog:
         if self.rank == min(records):
             say(f"error: {describe(records, self.world_size, self.timeout_s)}; every rank's stacks are in "
                 f"{self.folder}/: raise --collective_timeout if this wait was legitimate", file=sys.stderr)
-            self.store_set("hang/said", "1")
-        else:  # the rank that speaks first: a rank that ends ends the others' collectives, with tracebacks
-            self.store_wait("hang/said")
+        # From here a rank's output is noise: the first rank to end closes the others' collectives, and their
+        # main threads would print tracebacks. Each rank silences itself, and none ends before all have.
+        silence_output()
+        self.store_set(f"hang/silent{self.rank}", "1")
+        self.store_wait(*(f"hang/silent{rank}" for rank in records))
         end_silent_neighbours(records)
         os._exit(HANG_EXIT)
 
@@ -116,9 +118,9 @@ class Watchdog:
         except Exception:  # no store (one process), or it is gone: nobody waits for the line
             pass
 
-    def store_wait(self, key):
+    def store_wait(self, *keys):
         try:
-            self.store.wait([key], timedelta(seconds=RECORD_WAIT_S))
+            self.store.wait(list(keys), timedelta(seconds=RECORD_WAIT_S))
         except Exception:  # gone, or the lowest rank could not say it: end anyway
             pass
 
@@ -136,6 +138,16 @@ class Watchdog:
                     for key, value in zip(present, self.store.multi_get(present))}
         except Exception:  # the store is gone (its host ended): this rank speaks for itself
             return {self.rank: mine}
+
+
+def silence_output():
+    """Standard output and error to /dev/null, for what this process has left to run (flushed first)."""
+    with contextlib.suppress(OSError, ValueError):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
 
 
 def end_silent_neighbours(records):

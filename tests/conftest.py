@@ -19,23 +19,18 @@ os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="kit-tests-datasets-")
 # test.sh runs the suite on two pytest-xdist workers. A test file stays on one worker (its module
 # fixtures are made once), and the files that use the local Slurm cluster share one worker, which
 # brings the cluster up once; they go first, since they mostly wait for the cluster while the other
-# worker runs the rest. The longest of the other files (1.5-3+ minutes each) follow, longest first,
-# so that no long file starts last while the other worker sits idle (that tail cost minutes).
+# worker runs the rest. The longest of the other files (2-3+ minutes each) follow, so that no long
+# file starts last while the other worker sits idle (that tail cost about 3 minutes).
 SLURM_FILES = ("test_preemption.py", "test_slurm.py")
-LONG_FILES = ("test_hang.py", "test_bad_input.py", "test_gpu_check.py", "test_resume.py", "test_tp.py",
-              "test_muon.py", "test_benchmark.py", "test_readme_commands.py", "test_faults.py",
-              "test_fsdp_options.py", "test_sweep.py", "test_security.py")  # by their time in a full run
+LONG_FILES = ("test_faults.py", "test_benchmark.py", "test_resume.py", "test_bad_input.py", "test_fsdp_options.py")
 
 
 def pytest_collection_modifyitems(items):
     for item in items:
         if item.get_closest_marker("slurm") and item.path.name not in SLURM_FILES:
             raise pytest.UsageError(f"{item.nodeid} uses Slurm: add its file to SLURM_FILES in tests/conftest.py")
-
-    def order(item):  # stable: file order otherwise
-        name = item.path.name
-        return name not in SLURM_FILES, LONG_FILES.index(name) if name in LONG_FILES else len(LONG_FILES)
-    items.sort(key=order)
+    # stable: file order otherwise
+    items.sort(key=lambda item: (item.path.name not in SLURM_FILES, item.path.name not in LONG_FILES))
 
 
 def pytest_xdist_make_scheduler(config, log):

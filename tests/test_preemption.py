@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slurm
 pytest_plugins = ["slurm_cluster"]  # the `slurm_cluster` fixture: one local cluster for the session
 
 STEP = "fsdp"
-MAX_STEPS = 12
+MAX_STEPS = 20  # room for slurmctld to preempt on a busy machine before the run ends
 # 2 nodes × 2 fake GPUs, 2 rows per device: a total batch of 8 is one pass, no accumulation.
 WORLD_SIZE, TOTAL_BATCH, PER_DEVICE = 4, 8, 2
 LEARNING_RATE = ["--learning_rate", "3e-3"]
