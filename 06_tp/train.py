@@ -40,7 +40,7 @@ from common.profiling import StepProfiler
 from common.process_group import init_process_group
 from common.sharded_loading import load_sharded_model
 from common.signals import StopFlag
-from common.tensor_parallel import tp_size_for, whole_logits_outside_training
+from common.tensor_parallel import check_optimizer, tp_size_for, whole_logits_outside_training
 
 # FSDP's strategies over the data-parallel dimension, as in step 4 (the mesh's other dimension
 # takes HYBRID_SHARD's place: the node's GPUs split the layers instead of holding replicas):
@@ -130,9 +130,7 @@ def parse_arguments(argv=None):
     args = parser.parse_args(argv)
     if args.tp_size is not None and args.tp_size < 1:
         raise UserError(f"--tp_size must be at least 1 (got {args.tp_size})")
-    if args.optimizer == "muon":  # common/optim.py's Muon takes matrices cut along one mesh dimension
-        raise UserError("--optimizer muon: step 6 cuts each matrix over both dimensions of its mesh, and the kit's "
-                        "Muon orthogonalises matrices that FSDP alone cut: train with Muon in step 4, or AdamW here")
+    check_optimizer(args.optimizer)
     return args
 
 

@@ -44,6 +44,13 @@ def check_tp_size(tp_size, world_size, config, model):
                         f"the MLP): choose one of {', '.join(map(str, fitting_tp_sizes(config, world_size)))}")
 
 
+def check_optimizer(optimizer):
+    """Step 6 trains with AdamW: common/optim.py's Muon takes matrices cut along one mesh dimension."""
+    if optimizer == "muon":
+        raise UserError("--optimizer muon: step 6 cuts each matrix over both dimensions of its mesh, and the kit's "
+                        "Muon orthogonalises matrices that FSDP alone cut: train with Muon in step 4, or AdamW here")
+
+
 def tp_size_for(args, config, world_size, ranks_per_node, on_gpu):
     """--tp_size, or by default default_tp_size's; refused where it does not fit (check_tp_size)."""
     tp_size = args.tp_size or default_tp_size(config, ranks_per_node, on_gpu)

@@ -158,6 +158,11 @@ def test_muon_is_refused_in_one_line():
     assert result.returncode == 2 and result.stderr.startswith("error: --optimizer muon: step 6 cuts each matrix"), \
         result.stderr[-2000:]
     assert result.stderr.count("\n") == 1 and not (REPO / "unused").exists()
+    # the plan check before a step-6 job (submit.py, slurm/tp.sh) refuses it the same way
+    plan = subprocess.run([sys.executable, "tools/check_plan.py", "--gpus_per_node", "2", "--tp_size", "2",
+                           "--optimizer", "muon", "--max_seq_length", "256"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert plan.returncode == 2 and plan.stderr == result.stderr, plan.stderr[-2000:]
 
 
 @pytest.mark.quick

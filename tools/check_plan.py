@@ -74,7 +74,7 @@ from common.model import build_model, check_max_seq_length, enable_gradient_chec
 from common.nf4 import quantize_frozen_linears, stored_bytes
 from common.optim import make_optimizer
 from common.sharded_loading import give_storage
-from common.tensor_parallel import tp_size_for
+from common.tensor_parallel import check_optimizer, tp_size_for
 from launch.steps import check_training_arguments, load_step
 from tools import estimate_memory
 
@@ -425,14 +425,16 @@ def training_arguments(args, gpus_per_node, nodes, **changes):
     """The job as the step script's own arguments: its defaults for everything the memory does not
     depend on (learning rate, LoRA alpha, ...), the job's values for the rest, checked as it checks them."""
     job = {**vars(args), **changes}
-    step = load_step(step_of(argparse.Namespace(**job)))
-    training = step.parse_arguments(["--output_dir", "(plan check: nothing is written)"])
+    step_name = step_of(argparse.Namespace(**job))
+    training = load_step(step_name).parse_arguments(["--output_dir", "(plan check: nothing is written)"])
     for name in JOB_OPTIONS:
         if hasattr(training, name):
             setattr(training, name, job[name])
     groups = gpus_per_node * nodes // (job.get("tp_size") or 1)  # a tensor-parallel group shares its rows
     training.total_batch_size = job["total_batch_size"] or job["batch_size_per_device"] * groups
     check_arguments(training)
+    if step_name == "tp":  # the step's own refusal, which its defaults above did not meet
+        check_optimizer(training.optimizer)
     return training
 
 
