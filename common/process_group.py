@@ -8,13 +8,21 @@ writes a 7B checkpoint), short enough that a hung job does not hold its GPUs for
 common/hang.py's watchdog reports a hang at `timeout_s`, with every rank's stacks; the backend's
 own timeout is a minute longer, so that the watchdog speaks first.
 
+gloo has no reduce-scatter of its own: it all-reduces the whole tensor and keeps one slice, twice
+the bytes a reduce-scatter needs, in a call that FSDP waits for on the CPU (it overlaps
+communication through GPU streams only). `reduce_scatter_by_all_to_all` gives FSDP's CPU
+reduce-scatters the bytes of a real one: one all-to-all and a local sum (benchmark/NOTES.md,
+"gloo's reduce-scatter").
+
 PyTorch's Flight Recorder is on (TORCH_FR_BUFFER_SIZE, unless set already): each rank keeps its
 last collectives, as it issues them, which is how the watchdog tells the rank that is behind.
 """
 import os
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from common.signals import die_with_launcher
 
@@ -40,3 +48,31 @@ def init_process_group(device, timeout_s, cpu_tensors=False):
     timeout = timedelta(seconds=timeout_s + WATCHDOG_FIRST_S)
     dist.init_process_group(backend=backend(device.type, cpu_tensors), timeout=timeout,
                             device_id=device if device.type == "cuda" else None)
+
+
+class AllToAllReduceScatter:
+    """FSDP's reduce-scatter (its `set_custom_reduce_scatter` interface: `allocate` and the call)
+    for CPU tensors: every rank sends each rank its slice of the gradients (one all-to-all), then
+    sums the slices it received, in rank order. GPU tensors, and reductions other than a sum or a
+    mean, take the library's reduce-scatter."""
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        if input_tensor.device.type != "cpu" or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        ranks = dist.get_world_size(group)
+        received = torch.empty_like(input_tensor)
+        dist.all_to_all_single(received, input_tensor, group=group)
+        torch.sum(received.view(ranks, -1), dim=0, out=output_tensor)
+        if op == dist.ReduceOp.AVG:
+            output_tensor.div_(ranks)
+        return None  # done: nothing left to wait for
+
+
+def reduce_scatter_by_all_to_all(model):
+    """Every FSDP unit of `model` reduce-scatters its CPU gradients with AllToAllReduceScatter."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_custom_reduce_scatter(AllToAllReduceScatter())

@@ -77,38 +77,49 @@ class StepProfiler:
     def write(self, profiler):
         self.folder.mkdir(parents=True, exist_ok=True)
         profiler.export_chrome_trace(str(self.folder / f"rank{self.rank}.pt.trace.json"))
-        (self.folder / f"summary-rank{self.rank}.txt").write_text(
-            summary(profiler.key_averages(), self.rank, waits_for_values(profiler.events())))
+        (self.folder / f"summary-rank{self.rank}.txt").write_text(summary(profiler.events(), self.rank))
 
 
-def waits_for_values(events):
-    """How often the steps read a tensor's value back to the host (item(), bool(): on a GPU each
-    waits for the GPU's queue to drain) outside the optimiser's own step."""
-    def under_optimizer(event):
-        while event is not None:
-            if OPTIMIZER.search(event.name):
-                return True
-            event = event.cpu_parent
-        return False
-    return sum(1 for event in events if event.name == "aten::_local_scalar_dense" and not under_optimizer(event))
+def is_collective(event):
+    return event.name.startswith(("c10d::", "gloo:", "nccl:")) and COMMUNICATION.search(event.name) is not None
 
 
-def summary(averages, rank, value_reads=None):
+def is_optimizer(event):
+    return OPTIMIZER.search(event.name) is not None
+
+
+def within(event, kind):
+    """Whether `event` or a range it runs in is of `kind` (is_collective, is_optimizer)."""
+    while event is not None:
+        if kind(event):
+            return True
+        event = event.cpu_parent
+    return False
+
+
+def summary(events, rank):
     """Where the profiled steps' time went, on this rank's host threads, and the top operations."""
+    averages = events.key_averages()
     steps = [event for event in averages if event.key.startswith("ProfilerStep")]
     wall = sum(event.cpu_time_total for event in steps) or 1.0
-    # Top-level ranges only: a collective's or the optimiser's time includes the operations it calls.
-    communication = sum(event.cpu_time_total for event in averages
-                        if COMMUNICATION.search(event.key) and event.key.startswith(("c10d::", "gloo:", "nccl:")))
-    optimizer = sum(event.cpu_time_total for event in averages if OPTIMIZER.search(event.key))
+    # Outermost ranges only: an optimiser's step includes the parts it calls (MuonWithAdamW's Muon
+    # and AdamW) and its collectives (Muon's all-to-alls); a collective includes what it calls.
+    communication = sum(event.cpu_time_total for event in events if is_collective(event)
+                        and not within(event.cpu_parent, is_collective) and not within(event, is_optimizer))
+    optimizer = sum(event.cpu_time_total for event in events
+                    if is_optimizer(event) and not within(event.cpu_parent, is_optimizer))
     compute = max(wall - communication - optimizer, 0.0)
+    # How often the steps read a tensor's value back to the host (item(), bool(): on a GPU each
+    # waits for the GPU's queue to drain) outside the optimiser's own step.
+    value_reads = sum(1 for event in events
+                      if event.name == "aten::_local_scalar_dense" and not within(event, is_optimizer))
     on_gpu = any(event.device_time_total for event in averages)
     step_count = sum(event.count for event in steps) or 1
     collectives = sum(event.count for event in averages if event.key.startswith(("gloo:", "nccl:")))
     lines = [f"rank {rank}: {sum(event.count for event in steps)} profiled step(s), "
-             f"{wall / 1e3:.1f} ms on the host; per step {collectives / step_count:.1f} collectives"
-             + ("" if value_reads is None else f", {value_reads / step_count:.1f} reads of a value from the device "
-                "besides the figures' (item(), bool(): on a GPU each waits for it)"),
+             f"{wall / 1e3:.1f} ms on the host; per step {collectives / step_count:.1f} collectives, "
+             f"{value_reads / step_count:.1f} reads of a value from the device besides the figures' "
+             "(item(), bool(): on a GPU each waits for it)",
              f"  communication {communication / wall:6.1%}   (collectives, including waiting for other ranks)",
              f"  optimizer     {optimizer / wall:6.1%}   (the optimiser's step)",
              f"  compute       {compute / wall:6.1%}   (forward, backward, the rest)", "",

@@ -7,6 +7,9 @@ each rank keeps only its own shard of each.
 
 With FSDP's CPU offload the shards live in host memory (FSDP copies each layer to the GPU when it
 runs), so they are made there; the buffers, which FSDP does not offload, go to the GPU.
+
+Once sharded, the model's reduce-scatters of CPU gradients go as an all-to-all and a sum
+(common/process_group.py: gloo has no reduce-scatter of its own).
 """
 import torch
 import torch.distributed as dist
@@ -14,6 +17,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from common.model import build_model, load_model
 from common.nf4 import quantize_frozen_linears
+from common.process_group import reduce_scatter_by_all_to_all
 
 
 def load_sharded_model(name, config, rank, device, shard, prepare=lambda model: model, cpu_offload=False,
@@ -25,6 +29,7 @@ def load_sharded_model(name, config, rank, device, shard, prepare=lambda model: 
     with torch.device("meta"):
         model = prepare(build_model(config, trust_remote_code))
     shard(model)
+    reduce_scatter_by_all_to_all(model)  # on the CPU, half the bytes of gloo's reduce-scatter
     model.to_empty(device="cpu" if cpu_offload else device)  # memory for this rank's shards only, uninitialised
     set_model_state_dict(model, full_model.state_dict() if rank == 0 else {},
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
@@ -69,6 +74,7 @@ def load_quantized_sharded_model(name, config, rank, device, shard, prepare, tru
             quantize_frozen_linears(unit)
 
     shard(model, load_unit)
+    reduce_scatter_by_all_to_all(model)
     return model
 
 

@@ -1,9 +1,11 @@
 """04_fsdp's knobs: every sharding strategy reproduces the single-device run (2 and 4 ranks;
 HYBRID_SHARD as 2 groups × 2 shards); mixed precision, CPU offload and activation checkpointing
 change how the step is computed, not what it computes."""
+import json
+
 import pytest
 
-from conftest import EQUIVALENCE, assert_same_run, demo_args, read_metrics, run_step, with_changed
+from conftest import EQUIVALENCE, assert_same_run, demo_args, read_metrics, run_ranks, run_step, with_changed
 
 # 8 rows per optimiser step, as in the single-device reference
 SPLIT = {2: ["--total_batch_size", 8, "--batch_size_per_device", 2],  # 2 micro-batches per rank
@@ -53,3 +55,49 @@ def test_hybrid_shard_groups_must_divide_the_ranks(demo, tmp_path):
     result = run_step("fsdp", demo_args(demo, tmp_path) + ["--max_steps", 1, "--sharding_strategy", "HYBRID_SHARD",
                                                            "--shard_group_size", 3], nproc=2, check=False)
     assert result.returncode != 0 and "error: HYBRID_SHARD: 2 ranks do not split into groups of 3" in result.stderr
+
+
+def test_cpu_reduce_scatter_is_one_all_to_all_with_the_librarys_result(tmp_path):
+    """gloo's reduce-scatter all-reduces the whole tensor (twice the bytes); the kit's
+    (common/process_group.py) is one all-to-all and a local sum. FULL_SHARD over 4 ranks and
+    HYBRID_SHARD 2 x 2, shards of uneven rows (FSDP pads them): the same gradients as gloo's own."""
+    out = run_ranks(tmp_path, """
+        import json, torch, torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.profiler import profile
+        from common.process_group import reduce_scatter_by_all_to_all
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+
+        def gradients(mesh, by_all_to_all):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3))
+            for layer in model:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            if by_all_to_all:
+                reduce_scatter_by_all_to_all(model)
+            torch.manual_seed(1 + rank)  # every rank its own batch
+            with profile() as trace:
+                model(torch.randn(4, 7)).pow(2).sum().backward()
+            collectives = {e.key for e in trace.key_averages() if e.key.startswith("gloo:")}
+            return [p.grad.to_local().clone() for p in model.parameters()], collectives
+
+        result = {}
+        for name, mesh in [("FULL_SHARD", init_device_mesh("cpu", (4,))),
+                           ("HYBRID_SHARD", init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))]:
+            ours, used = gradients(mesh, True)
+            library, library_used = gradients(mesh, False)
+            result[name] = {"largest_difference": max(((a - b).abs().max().item() for a, b in zip(ours, library)
+                                                     if a.numel()), default=0.0),  # a rank may hold no rows
+                            "ours": sorted(used), "library": sorted(library_used)}
+        print(json.dumps(result))
+        dist.destroy_process_group()
+    """, nproc=4)
+    for line in out.splitlines():
+        for name, case in json.loads(line).items():
+            assert case["largest_difference"] < 1e-6, (name, case)
+            assert "gloo:all_to_all" in case["ours"] and "gloo:all_to_all" not in case["library"], (name, case)
+            # gloo's reduce-scatter shows as an all-reduce; HYBRID_SHARD all-reduces across its groups too
+            assert ("gloo:all_reduce" in case["ours"]) == (name == "HYBRID_SHARD"), (name, case)

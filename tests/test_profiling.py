@@ -5,6 +5,7 @@ stopped in the middle of its profiled steps ends normally with the steps it reco
 past the range says that nothing is profiled."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -85,3 +86,29 @@ def test_a_resumed_run_past_the_range_says_nothing_is_profiled(demo, uninterrupt
     result = run_step("single", args)
     assert "note: --profile_steps 2-3: this run resumes after step 6, past them: nothing is profiled" in result.stdout
     assert not (out / "profile").exists()
+
+
+@pytest.mark.quick
+def test_the_summary_counts_nested_ranges_once():
+    """MuonWithAdamW's step holds Muon's and AdamW's, and Muon's holds its all-to-alls: each
+    millisecond counts once, in the outermost range (the summary once gave an optimiser share of
+    twice its time). Times in µs, in one 1,000 µs step."""
+    from torch.autograd.profiler_util import EventList, FunctionEvent
+
+    from common.profiling import summary
+
+    def event(name, start, end):
+        events.append(FunctionEvent(id=len(events), name=name, thread=0, start_us=start, end_us=end, stack=[]))
+
+    events = []
+    event("ProfilerStep#1", 0, 1000)
+    event("c10d::allreduce_", 100, 200)  # the loop's: communication
+    event("Optimizer.step#MuonWithAdamW.step", 500, 900)
+    event("Optimizer.step#Muon.step", 500, 800)
+    event("c10d::alltoall_base_", 550, 600)  # Muon's: the optimiser's
+    event("Optimizer.step#AdamW.step", 800, 900)
+    events = EventList(events)
+    events._build_tree()  # who runs in whom, from the times, as the profiler does
+    text = summary(events, 0)
+    shares = dict(re.findall(r"^  (communication|optimizer|compute) +([\d.]+)%", text, re.MULTILINE))
+    assert shares == {"communication": "10.0", "optimizer": "40.0", "compute": "50.0"}, text
