@@ -53,15 +53,15 @@ def init_process_group(device, timeout_s, cpu_tensors=False):
 class AllToAllReduceScatter:
     """FSDP's reduce-scatter (its `set_custom_reduce_scatter` interface: `allocate` and the call)
     for CPU tensors: every rank sends each rank its slice of the gradients (one all-to-all), then
-    sums the slices it received, in rank order. GPU tensors, and reductions other than a sum or a
-    mean, take the library's reduce-scatter."""
+    sums the slices it received, in rank order. Reductions other than a sum or a mean take the
+    library's reduce-scatter, as FSDP calls it."""
 
     def allocate(self, size, *, dtype, device):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        if input_tensor.device.type != "cpu" or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
         ranks = dist.get_world_size(group)
         received = torch.empty_like(input_tensor)
         dist.all_to_all_single(received, input_tensor, group=group)
@@ -71,8 +71,12 @@ class AllToAllReduceScatter:
         return None  # done: nothing left to wait for
 
 
-def reduce_scatter_by_all_to_all(model):
-    """Every FSDP unit of `model` reduce-scatters its CPU gradients with AllToAllReduceScatter."""
+def reduce_scatter_by_all_to_all(model, device):
+    """On the CPU, every FSDP unit of `model` reduce-scatters its gradients with
+    AllToAllReduceScatter. On GPUs (CPU offload too: FSDP reduce-scatters on the GPU, then copies
+    the shard to host memory) FSDP keeps NCCL's own, untouched."""
+    if device.type != "cpu":
+        return
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_custom_reduce_scatter(AllToAllReduceScatter())

@@ -29,7 +29,7 @@ def load_sharded_model(name, config, rank, device, shard, prepare=lambda model: 
     with torch.device("meta"):
         model = prepare(build_model(config, trust_remote_code))
     shard(model)
-    reduce_scatter_by_all_to_all(model)  # on the CPU, half the bytes of gloo's reduce-scatter
+    reduce_scatter_by_all_to_all(model, device)  # on the CPU, half the bytes of gloo's reduce-scatter
     model.to_empty(device="cpu" if cpu_offload else device)  # memory for this rank's shards only, uninitialised
     set_model_state_dict(model, full_model.state_dict() if rank == 0 else {},
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
@@ -74,7 +74,7 @@ def load_quantized_sharded_model(name, config, rank, device, shard, prepare, tru
             quantize_frozen_linears(unit)
 
     shard(model, load_unit)
-    reduce_scatter_by_all_to_all(model)
+    reduce_scatter_by_all_to_all(model, device)
     return model
 
 

@@ -77,7 +77,7 @@ def test_cpu_reduce_scatter_is_one_all_to_all_with_the_librarys_result(tmp_path)
                 fully_shard(layer, mesh=mesh)
             fully_shard(model, mesh=mesh)
             if by_all_to_all:
-                reduce_scatter_by_all_to_all(model)
+                reduce_scatter_by_all_to_all(model, torch.device("cpu"))
             torch.manual_seed(1 + rank)  # every rank its own batch
             with profile() as trace:
                 model(torch.randn(4, 7)).pow(2).sum().backward()
