@@ -1,6 +1,7 @@
 """04_fsdp's knobs: every sharding strategy reproduces the single-device run (2 and 4 ranks;
 HYBRID_SHARD as 2 groups × 2 shards); mixed precision, CPU offload and activation checkpointing
-change how the step is computed, not what it computes."""
+change how the step is computed, not what it computes. On the CPU, FSDP's reduce-scatter is the
+kit's all-to-all and sum, with gloo's gradients."""
 import json
 
 import pytest
