@@ -38,7 +38,9 @@ memory per GPU (torch.cuda.max_memory_allocated, rank 0, loading included) and t
 predicted peak for the same job (tools/check_plan.py, the training steps only).
 
 Each row is written to WORK_DIR/gpu_check.md and gpu_check.json as soon as it ends, so a run killed
-at any moment leaves the rows done so far. The time limit is checked before every run and every
+at any moment leaves the rows done so far. WORK_DIR is the check's own (a new or empty folder, which
+it marks): it replaces its runs and model there on every start, so a folder with other files in it
+(a run, a model) is refused. The time limit is checked before every run and every
 plan check; a row that would not fit in the time left is not run, and says so.
 
 Without CUDA (tests/test_gpu_check.py runs a shrunk shape on the CPU) the rows run with gloo on 2
@@ -90,6 +92,23 @@ ROWS = {"step2": ("step 2", 25), "step3": ("step 3", 25), "step4": ("step 4", 25
         "offload4": ("step 4, CPU offload", 25), "offload5": ("step 5, CPU offload", 25),
         "full_offload": ("7B shape, full fine-tuning, CPU offload", 300)}
 OPTIONAL = ("offload4", "offload5", "full_offload")  # run where --time_limit leaves them the time
+WORK_DIR_MARK = ".gpu_check"  # in a --work_dir the check made its own (take_work_dir)
+
+
+def take_work_dir(work_dir):
+    """The check replaces its runs, its model and its table in --work_dir on every start: it works only
+    in a folder of its own, one it creates (or finds empty) and marks (WORK_DIR_MARK). A user's
+    folder (a run, a model, the demo) is refused before anything is written."""
+    if work_dir.exists() and not work_dir.is_dir():
+        raise UserError(f"--work_dir {work_dir} is a file: name a folder for the check (it makes a new one)")
+    if work_dir.is_dir() and not (work_dir / WORK_DIR_MARK).is_file() and any(work_dir.iterdir()):
+        raise UserError(f"--work_dir {work_dir} holds files that the GPU check did not write (it would replace them): "
+                        "name a new or empty folder, which the check makes its own")
+    try:
+        work_dir.mkdir(parents=True, exist_ok=True)
+        (work_dir / WORK_DIR_MARK).write_text("the GPU check's folder: it replaces what is here on every start\n")
+    except OSError as err:
+        raise UserError(f"cannot write in --work_dir {work_dir} ({err.strerror}): name a writable folder") from None
 
 
 def make_model_dir(args, model_dir, layers=None):
@@ -441,7 +460,7 @@ def main():
     ranks = torch.cuda.device_count() if on_gpu else 2
     hardware = f"{ranks} x {torch.cuda.get_device_name(0)}" if on_gpu else f"no CUDA: {ranks} CPU processes, gloo"
     runner = Runner(args, on_gpu, ranks, hardware)
-    runner.work_dir.mkdir(parents=True, exist_ok=True)
+    take_work_dir(runner.work_dir)
     backend = "nccl" if on_gpu else "gloo, CPU"
     precision = "bf16" if on_gpu else "fp32"
     wanted = set(args.only)

@@ -18,6 +18,7 @@ import pytest
 
 from conftest import REPO
 from benchmark import gpu_check
+from common.errors import UserError
 
 ROWS = ["step 2", "step 3", "step 4", "step 5", "step 6, tensor parallel", "preemption, step 4", "QLoRA sharding",
         "7B shape, QLoRA", "7B shape, LoRA", "full fine-tuning", "step 4, CPU offload", "step 5, CPU offload",
@@ -143,6 +144,32 @@ def test_the_time_limit_is_checked_before_every_run_and_plan_check(demo, tmp_pat
     results = queue.Queue()
     gpu_check.plan_each([("lora", "lora", ["--model", "unused"])], 2, time.monotonic() + 59, results)
     assert results.get_nowait() == ("lora", None, "plan check not run: less than a minute of --time_limit left")
+
+
+@pytest.mark.quick
+def test_the_check_works_only_in_a_folder_of_its_own(demo, tmp_path):
+    """It replaces WORK_DIR/ROW and WORK_DIR/model on every start: --work_dir W with a user's run in
+    W/qlora and a model in W/model used to delete the run and rewrite the model's config.json; a
+    file as --work_dir was a FileExistsError traceback. Refused in one line; an empty folder is taken
+    and marked, and a marked one taken again."""
+    users = tmp_path / "users"
+    shutil.copytree(demo / "model", users / "model")
+    (users / "qlora" / "final").mkdir(parents=True)
+    (users / "qlora" / "notes.txt").write_text("my run\n")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("mine\n")
+    before = {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()}
+    output, _ = check(demo, users, "--only", "qlora").communicate(timeout=120)
+    assert output.startswith(f"error: --work_dir {users} holds files that the GPU check did not write"), output
+    assert len(output.splitlines()) == 1, output
+    for work_dir, words in [(users / "model", "holds files that the GPU check did not write"), (a_file, "is a file")]:
+        with pytest.raises(UserError, match=f"^--work_dir {re.escape(str(work_dir))} {words}"):
+            gpu_check.take_work_dir(work_dir)
+    assert {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()} == before
+    for _ in range(2):
+        gpu_check.take_work_dir(tmp_path / "new")
+        (tmp_path / "new" / "step2").mkdir(exist_ok=True)  # a row's run, replaced on the next start
+    assert (tmp_path / "new" / gpu_check.WORK_DIR_MARK).is_file()
 
 
 def test_offloading_counts_the_memory_the_host_has_available(demo, tmp_path, monkeypatch):
