@@ -57,7 +57,9 @@ class OutputDir:
                             "to replace it, or choose another --output_dir")
         if self.overwrite:
             self._refuse_to_delete_inputs(args)
+            self._refuse_to_delete_through_links()
         else:
+            self._refuse_damaged_run_file()
             self._refuse_foreign_checkpoints()
         errors.explain_interrupts_with(self.where_to_continue)
 
@@ -86,6 +88,33 @@ class OutputDir:
                 if output.resolve() in (where, *where.parents):
                     raise UserError(f"--{name} {given} is inside {output}, which --overwrite deletes: copy it "
                                     f"out of {self.path} first, or choose another --output_dir")
+
+    def _refuse_to_delete_through_links(self):
+        """An output that is a symbolic link (checkpoints/ on a scratch disk) is another disk's folder:
+        --overwrite keeps a link to an empty folder (the new run writes there) and deletes nothing
+        through a link. It refuses here, before anything is deleted."""
+        for output in self.run_dir.outputs:
+            if output.is_symlink() and not (output.is_dir() and not any(output.iterdir())):
+                raise UserError(f"{output} is a symbolic link (to {os.readlink(output)}): --overwrite does not delete "
+                                "through a link. Empty the folder it points to yourself (the link is kept and the new "
+                                "run writes there), or remove the link, then run again")
+
+    def _refuse_damaged_run_file(self):
+        """run.json names the run (its checkpoints' markers hold its id) and its settings: --resume
+        needs it whole. One cut short (a full disk, a copy that stopped) is named as what it is,
+        before its checkpoints would look like another run's."""
+        run_file = self.run_dir.run_file
+        if not run_file.exists():
+            return
+        try:
+            recorded = json.loads(run_file.read_text())
+            damage = None if isinstance(recorded, dict) else "not a JSON object"
+        except (OSError, ValueError) as err:
+            damage = errors.first_line(err)
+        if damage:
+            raise UserError(f"{run_file} is damaged ({damage}): it records the run's id and settings, which --resume "
+                            "needs. Restore it from a backup, or start a new run with --overwrite (it deletes this "
+                            "run) or in another --output_dir")
 
     def _refuse_foreign_checkpoints(self):
         """A checkpoint whose marker names another run (copied in) is never resumed from nor
@@ -116,6 +145,8 @@ class OutputDir:
             run_id = self.run_dir.run_id() if recorded else new_run_id()
             if self.overwrite:
                 for target in self.run_dir.outputs:
+                    if target.is_symlink():  # to an empty folder (_refuse_to_delete_through_links): kept
+                        continue
                     shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
             partial = run_file.with_suffix(".partial")
             partial.write_text(json.dumps({"run_id": run_id, **settings}, indent=1) + "\n")

@@ -139,6 +139,43 @@ def test_overwrite_never_deletes_the_runs_own_input(demo, finished_run, tmp_path
     assert snapshot(run) == before
 
 
+def test_overwrite_deletes_nothing_through_a_symbolic_link(demo, finished_run, tmp_path):
+    """OUTPUT_DIR/checkpoints a link to another disk: --overwrite used to delete run.json, the metrics
+    and the summary, then fail on the link, the old run half-deleted. Now it refuses first, naming the
+    link; with the folder it points to emptied, the link is kept and the new run saves through it."""
+    run = copy_of(finished_run, tmp_path)
+    elsewhere = tmp_path / "scratch" / "checkpoints"
+    elsewhere.parent.mkdir()
+    shutil.move(run / "checkpoints", elsewhere)
+    (run / "checkpoints").symlink_to(elsewhere)
+    before = snapshot(run), snapshot(elsewhere)
+    args = demo_args(demo, run) + RUN + ["--overwrite"]
+    line = one_error_line(run_step("single", args, check=False))
+    assert f"{run / 'checkpoints'} is a symbolic link (to {elsewhere})" in line and "Empty the folder" in line, line
+    assert (snapshot(run), snapshot(elsewhere)) == before
+    for checkpoint in elsewhere.iterdir():  # as the line says
+        shutil.rmtree(checkpoint)
+    run_step("single", args)
+    assert (run / "checkpoints").is_symlink() and (elsewhere / "step-000002/COMPLETE").is_file()
+    assert [r["step"] for r in read_metrics(run)] == [1, 2]
+
+
+@pytest.mark.parametrize("checkpoints", [True, False], ids=["with-checkpoints", "without"])
+def test_a_run_file_cut_short_is_named_as_damaged(demo, finished_run, tmp_path, checkpoints):
+    """run.json truncated, then --resume: its checkpoints used to be called another run's ("move it
+    out"), and without them a JSONDecodeError traceback."""
+    run = copy_of(finished_run, tmp_path)
+    if not checkpoints:
+        shutil.rmtree(run / "checkpoints")
+    text = (run / "run.json").read_text()
+    (run / "run.json").write_text(text[:len(text) // 2])
+    before = snapshot(run)
+    line = one_error_line(run_step("single", demo_args(demo, run) + RUN + ["--resume"], check=False))
+    assert f"{run / 'run.json'} is damaged" in line and "Restore it from a backup" in line, line
+    assert "another run" not in line and "move it out" not in line, line
+    assert snapshot(run) == before
+
+
 def test_a_checkpoint_of_another_run_is_neither_resumed_from_nor_pruned(demo, finished_run, tmp_path):
     """A checkpoint copied in from another run, newer than the run's own: --keep_checkpoints 1 used
     to keep it and delete the run's real ones, and --resume to load it."""
