@@ -298,4 +298,4 @@ def main():
 
 
 if __name__ == "__main__":
-    exit_on_user_error(main)
+    exit_on_user_error(main, needs_torchrun=True)

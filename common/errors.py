@@ -1,6 +1,7 @@
 """One clear line for a user's mistake, instead of a traceback."""
 import atexit
 import os
+import shlex
 import sys
 import time
 
@@ -53,13 +54,16 @@ def stop_was_requested(signum):
     _stop_signal = signum
 
 
-def exit_on_user_error(main):
+def exit_on_user_error(main, needs_torchrun=False):
     """Run main(); turn a UserError into `error: ...` on stderr and exit status 2, and a Ctrl-C
     into one `interrupted:` line. Under torchrun every rank checks the same inputs and fails the
     same way, so only rank 0 prints the line: once per job, not once per rank. A rank that
-    torchrun started and whose main() finished exits at once (leave_after_success says why)."""
+    torchrun started and whose main() finished exits at once (leave_after_success says why).
+    `needs_torchrun`: a script of one process per GPU (steps 3 to 6; require_torchrun)."""
     speaks = os.environ.get("RANK", "0") == "0"
     try:
+        if needs_torchrun:
+            require_torchrun()
         result = main()
     except UserError as err:
         if speaks:
@@ -85,6 +89,19 @@ def exit_on_user_error(main):
     if LAUNCHED_BY_TORCHRUN:
         leave_after_success()
     return result
+
+
+def require_torchrun():
+    """torchrun starts the processes of steps 3 to 6, one per GPU, and tells each its rank (RANK,
+    WORLD_SIZE, LOCAL_RANK...): started with plain python, a script stops with one line that gives
+    the command, rather than a KeyError. --help answers without torchrun."""
+    launched = all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"))
+    if launched or {"-h", "--help"} & set(sys.argv[1:]):
+        return
+    script = os.path.relpath(sys.argv[0])
+    command = " ".join(["torchrun --nproc-per-node N", shlex.quote(script), *map(shlex.quote, sys.argv[1:])])
+    raise UserError(f"{script} runs one process per GPU, which torchrun starts: run `{command}` (N: the "
+                    "node's GPUs, or CPU processes on a machine without one)")
 
 
 def leave_after_success():

@@ -296,6 +296,18 @@ def test_nan_in_the_model_weights_stops_at_the_first_step(demo, tmp_path, step):
     assert not (tmp_path / "run/final").exists()
 
 
+@pytest.mark.parametrize("script", ["03_ddp/train.py", "04_fsdp/train.py", "05_lora/train.py", "06_tp/train.py"])
+def test_a_step_of_one_process_per_gpu_started_with_python_gives_the_torchrun_command(demo, tmp_path, script):
+    """Steps 3 to 6 read their rank from torchrun: started with plain python they used to end in KeyError: 'RANK'."""
+    args = [str(arg) for arg in demo_args(demo, tmp_path / "run")]
+    env = {name: value for name, value in os.environ.items()
+           if name not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    result = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, cwd=REPO, env=env)
+    line = one_error_line(result)
+    assert result.returncode == 2 and f"run `torchrun --nproc-per-node N {script} {' '.join(args)}`" in line, line
+    assert not (tmp_path / "run").exists()
+
+
 # ---- damaged checkpoints: fall back, say so, end up where the uninterrupted run does ------------
 
 def damage_newest(output_dir, step):
