@@ -298,7 +298,7 @@ def main():
         # The step's one wait for the GPU: its figures, and whether any rank was asked to stop.
         tokens, loss_total, grad_norm, stopping = torch.stack([step_tokens, step_loss, grad_norm,
                                                                stop.any_rank()]).tolist()
-        checkpoint.stop_if_not_finite(loss_total, step + 1, output_dir)  # the same verdict on every rank
+        checkpoint.stop_if_not_finite(loss_total, step + 1, output_dir, model)  # the same verdict on every rank
         record = metrics.step_record(step + 1, tokens, loss_total, grad_norm, scheduler.get_last_lr()[0], timer)
         if not stopping and ((args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.max_steps):
             watchdog.phase("evaluation", step + 1)

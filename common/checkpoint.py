@@ -48,14 +48,35 @@ def load_newest(run_dir, load):
     return None
 
 
-def stop_if_not_finite(loss, step, run_dir):
-    """A NaN or infinite loss poisons the weights from this step on: stop before anything is saved."""
-    if math.isfinite(loss):
+def stop_if_not_finite(loss, step, run_dir, model):
+    """A NaN or infinite loss, or weights that the step's update made non-finite, poison the run from
+    this step on: stop before anything is saved, so that no checkpoint and no final model ever holds
+    a non-finite tensor. A collective where the job has several ranks (each holds its own shards):
+    call it at the same point on all ranks; they reach the same verdict."""
+    if not math.isfinite(loss):
+        problem = f"loss is {loss} at step {step}"
+    elif not weights_finite(model):
+        problem = f"the weights are not finite after the update of step {step}"
+    else:
         return
     latest = run_dir.latest_checkpoint()
     last_good = f"the last good checkpoint is {latest}" if latest else "no checkpoint was saved yet"
-    raise UserError(f"loss is {loss} at step {step}: stopped without saving this step ({last_good}). "
-                    "Lower --learning_rate (or check the data and model files), then continue with --resume")
+    # --resume would repeat this very step: the run's settings, its learning rate too, are fixed (run.json).
+    raise UserError(f"{problem}: stopped without saving this step ({last_good}). Start the run again with a lower "
+                    "--learning_rate, with --overwrite or in another --output_dir (or check the data and model "
+                    "files): --resume keeps the run's learning rate and would repeat this step")
+
+
+def weights_finite(model):
+    """Whether every trainable weight is finite, on every rank (this rank's pieces of sharded ones)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    weights = [param.to_local() if isinstance(param, DTensor) else param
+               for param in model.parameters() if param.requires_grad]
+    finite = torch.stack([torch.isfinite(weight).all() for weight in weights]).all().float()
+    if dist.is_initialized():
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    return bool(finite.item())
 
 
 def tensor_bytes(state):

@@ -148,7 +148,10 @@ def apply(param, update, group):
     scale = 0.2 * math.sqrt(max(param.shape))  # match_rms_adamw, on the whole matrix's shape
     weights = local(param)
     weights.mul_(1 - group["lr"] * group["weight_decay"])
-    weights.add_(update.to(weights.device, weights.dtype), alpha=-group["lr"] * scale)
+    update, step = update.to(weights.device, weights.dtype), group["lr"] * scale
+    if step > torch.finfo(weights.dtype).max:  # alpha= refuses it; the weights become what it makes them (inf)
+        update, step = update * step, 1.0
+    weights.add_(update, alpha=-step)
 
 
 def shard_layout(param):

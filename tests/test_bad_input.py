@@ -296,6 +296,26 @@ def test_nan_in_the_model_weights_stops_at_the_first_step(demo, tmp_path, step):
     assert not (tmp_path / "run/final").exists()
 
 
+@pytest.mark.parametrize("step, optimizer", [("single", "adamw"), ("single", "muon"), ("fsdp", "muon")])
+def test_weights_that_the_last_update_makes_non_finite_are_never_saved(demo, tmp_path, step, optimizer):
+    """--learning_rate 1e39 --max_steps 1: step 1's loss is finite, its update makes the weights
+    infinite. The run used to exit 0 with a non-finite final/ and checkpoint (Muon: an overflow
+    traceback); now one line, nothing saved, and its advice (a lower rate, --overwrite) works."""
+    nproc, split = SPLITS[step]
+    output_dir = tmp_path / "run"
+    args = demo_args(demo, output_dir) + ["--max_steps", 1, "--save_every", 1, "--warmup_steps", 0,
+                                          "--learning_rate", 1e39, "--optimizer", optimizer, *split]
+    result = run_step(step, args, nproc=nproc, check=False)
+    line = one_error_line(result) if step == "single" else launcher_error_line(result)
+    assert "the weights are not finite after the update of step 1" in line and "no checkpoint was saved" in line, line
+    assert "lower --learning_rate, with --overwrite" in line, line
+    assert not (output_dir / "checkpoints").exists() or not any((output_dir / "checkpoints").iterdir())
+    assert not (output_dir / "final").exists() and not (output_dir / "summary.json").exists()
+    if step == "single" and optimizer == "adamw":  # the advice, followed
+        run_step(step, with_changed(args, ["--learning_rate", 1e-4]) + ["--overwrite"])
+        assert (output_dir / "final").is_dir() and read_metrics(output_dir)[-1]["step"] == 1
+
+
 @pytest.mark.parametrize("script", ["03_ddp/train.py", "04_fsdp/train.py", "05_lora/train.py", "06_tp/train.py"])
 def test_a_step_of_one_process_per_gpu_started_with_python_gives_the_torchrun_command(demo, tmp_path, script):
     """Steps 3 to 6 read their rank from torchrun: started with plain python they used to end in KeyError: 'RANK'."""
