@@ -250,3 +250,16 @@ def test_a_model_step_6_cannot_split_is_refused_before_its_weights_are_read(demo
     assert lines[0].startswith(f"error: step 6 cannot split {model} (phi3, Phi3ForCausalLM)"), lines
     assert not (tmp_path / "run" / "run.json").exists()
 
+
+def test_evaluation_too_small_for_the_data_parallel_groups_says_so(demo, tmp_path):
+    """Issue 43 case 14: --eval_rows 1 on 2 data-parallel groups (2 ranks at --tp_size 1; at 4 ranks and
+    --tp_size 2 the same 2 groups): the line counts the groups that share out the evaluation."""
+    args = ["--model", demo / "model", "--data_dir", demo / "data", "--output_dir", tmp_path / "run",
+            "--max_seq_length", 64, "--max_steps", 1, "--eval_rows", 1, "--eval_games", 8, "--tp_size", 1]
+    result = subprocess.run([sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc-per-node=2",
+                             str(STEP_SCRIPTS["tp"]), *map(str, args)], cwd=REPO, capture_output=True, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and errors == [
+        "error: the validation data gives 1 rows, fewer than the 2 data-parallel groups that evaluate them: use more "
+        "validation games (or raise --eval_rows / --eval_games)"], result.stdout + result.stderr[-3000:]
