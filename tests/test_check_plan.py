@@ -377,7 +377,6 @@ def test_impossible_jobs_are_refused_as_the_step_and_submit_refuse_them(demo, sm
                                            "(--shard_group_size)" and chosen[1] == ""
 
 
-@pytest.mark.quick
 def test_step_6_jobs_get_no_sharding_choice(demo, capsys):
     """Step 6 has no HYBRID_SHARD (its tensor-parallel groups take the node's place): on several nodes
     the check chooses nothing for it, in the templates' form as in submit.py (the one rule, chooses_sharding)."""
