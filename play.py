@@ -581,6 +581,13 @@ def arguments(argv=None):
     parser.add("gif", default=None, help="where the animated GIF goes (default: the --pgn path with .gif)")
     parser.add("device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA when a GPU is usable")
     args = parser.parse_args(argv)
+    # Under --uci the GUI chooses the sides, runs the games and keeps their record: only --model and --device apply.
+    ignored = [name for name in vars(args) if name not in ("model", "device", "uci")
+               and getattr(args, name) != parser.get_default(name)]
+    if args.uci and ignored:
+        raise UserError(f"{', '.join('--' + name for name in ignored)} do{'es' if len(ignored) == 1 else ''} not apply "
+                        "to --uci (the chess GUI chooses the sides, plays the games and keeps their record): leave "
+                        f"{'it' if len(ignored) == 1 else 'them'} out, or play without --uci")
     if not args.pgn.strip():
         raise UserError("--pgn is empty: name the file the game is written to, e.g. --pgn runs/play/game.pgn")
     if args.gif is not None and args.games > 1:

@@ -115,9 +115,6 @@ def check_request(args):
                         "use --step ddp or --step fsdp for more")
     if getattr(args, "tp_size", None) is not None and args.step != "tp":  # benchmark/sweep.py's jobs have none
         raise UserError(f"--tp_size is step 6's (--step tp), not --step {args.step}'s")
-    if args.step == "tp" and args.tp_size is not None and (args.tp_size < 1 or args.gpus % args.tp_size):
-        raise UserError(f"--tp_size {args.tp_size} must divide the {args.gpus} GPUs of a node (--gpus): tensor "
-                        "parallelism stays inside a node, on its fast links")
     for argument in args.training_args:
         name = argument.split("=", 1)[0].removeprefix("--").replace("-", "_")
         if name in MANAGED_ARGUMENTS:
@@ -137,8 +134,9 @@ def tensor_parallel_size(args, model):
     if args.step != "tp":
         return 1
     config = load_config(model, local_files_only=True)  # compute nodes are offline: it is on disk already
-    return tp_size_for(argparse.Namespace(tp_size=args.tp_size, model=model), config, args.gpus * args.nodes,
-                       args.gpus, on_gpu=True)
+    trust_remote_code = check_plan.names_option(args.training_args, "--trust_remote_code")
+    return tp_size_for(argparse.Namespace(tp_size=args.tp_size, model=model, trust_remote_code=trust_remote_code),
+                       config, args.gpus * args.nodes, args.gpus, on_gpu=True)
 
 
 def absolute(path):
@@ -229,8 +227,7 @@ def main(argv):
         raise UserError("no Slurm here (sbatch not found): run this on the cluster's login node, or add --dry-run")
     if args.step in ("fsdp", "lora", "tp") and not args.force:
         # On several nodes, unless --sharding_strategy is given: HYBRID_SHARD where it fits, else FULL_SHARD.
-        choose = args.nodes > 1 and args.step != "tp" and not check_plan.names_option(training_args,
-                                                                                       "--sharding_strategy")
+        choose = check_plan.chooses_sharding(args.step, args.nodes, training_args)
         check_plan.check_job(args.step, job, args.gpus, args.nodes, args.gpu_memory_gib, override="--force",
                              choose_sharding=choose)
         if choose:

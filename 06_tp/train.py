@@ -211,7 +211,7 @@ def main():
     # the same for every rank of its tensor-parallel group. Each evaluates its share, then the sums are added up.
     with watchdog.unwatched("preparing the data"):  # hours for a big data set, and no collective in it
         train_rows, sampler = training_data(args, tokenizer, notation, dp_rank, dp_size)
-        evaluation = Evaluation(args, tokenizer, notation, dp_rank, dp_size)
+        evaluation = Evaluation(args, tokenizer, notation, dp_rank, dp_size, ranks="data-parallel groups")
 
     # Every input is checked; only now does the run write (and --overwrite delete the old run).
     note = output.start(run_settings(args, "sharded", config, train_rows, precision=precision))

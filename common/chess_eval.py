@@ -35,15 +35,16 @@ def check_stop(stop):
 class Evaluation:
     """The run's evaluation: the validation loss over --eval_rows rows and the legal-move rate over
     --eval_games game prefixes, this rank's share of each (the same count on every rank: every rank
-    makes the same forward calls, which FSDP needs)."""
+    makes the same forward calls, which FSDP needs). `ranks` names what shares it out (step 6: its
+    data-parallel groups, each of whose ranks evaluates the group's share)."""
 
-    def __init__(self, args, tokenizer, notation, rank=0, world_size=1):
+    def __init__(self, args, tokenizer, notation, rank=0, world_size=1, ranks="ranks"):
         validation = prepared_rows(args.data_dir, "validation", tokenizer, args.max_seq_length, not args.no_packing,
                                    args.prepared_dir, notation=notation)
         rows = [validation[i] for i in range(min(args.eval_rows, len(validation)))]
         prefixes = game_prefixes(read_games(args.data_dir, "validation", args.eval_games), args.eval_games, args.seed)
-        self.rows = share_of_rank(rows, rank, world_size, "rows")
-        self.prefixes = share_of_rank(prefixes, rank, world_size, "game prefixes")
+        self.rows = share_of_rank(rows, rank, world_size, "rows", ranks)
+        self.prefixes = share_of_rank(prefixes, rank, world_size, "game prefixes", ranks)
         self.tokenizer, self.notation = tokenizer, notation
         self.batch_size, self.max_seq_length = args.batch_size_per_device, args.max_seq_length
 
@@ -92,11 +93,11 @@ def game_prefixes(games, count, seed):
     return prefixes
 
 
-def share_of_rank(items, rank, world_size, what):
+def share_of_rank(items, rank, world_size, what, ranks="ranks"):
     """This rank's share of the evaluation items (the same count on every rank, so that every rank
     makes the same forward calls); refused when there is not even one item per rank."""
     if len(items) < world_size:
-        raise UserError(f"the validation data gives {len(items)} {what}, fewer than the {world_size} ranks that "
+        raise UserError(f"the validation data gives {len(items)} {what}, fewer than the {world_size} {ranks} that "
                         "evaluate them: use more validation games (or raise --eval_rows / --eval_games)")
     return items[rank: len(items) - len(items) % world_size: world_size]
 

@@ -334,3 +334,56 @@ def test_a_job_that_cannot_fit_is_refused_unless_forced(tmp_path):
     assert "plan check" not in forced.stdout and "#SBATCH --gpus-per-node=2" in forced.stdout
     steps = run_submit(["--step", "ddp", "--gpus", "2", "--gpu_memory_gib", "3", "--dry-run"])
     assert steps.returncode == 0 and "plan check" not in steps.stdout  # the FSDP steps only
+
+
+# ---- issue 43 case 8: the plan check agrees with the step and with submit.py on every job ----------------
+
+def training_job(demo, *options):
+    """The training-arguments form (slurm/fsdp.sh's): the plan check's options, then the job's."""
+    return [*map(str, options), "--", "--output_dir", "unused", "--model", str(demo / "model"), "--data_dir",
+            str(demo / "data"), "--max_seq_length", "16", "--batch_size_per_device", "2"]
+
+
+def refusal(capsys, argv):
+    """The plan check's one error line for `argv` (exit status 2), and what it printed on stdout."""
+    with pytest.raises(SystemExit) as exit_info:
+        cp.exit_on_user_error(lambda: cp.main(argv))
+    said = capsys.readouterr()
+    lines = [line for line in said.err.splitlines() if line.strip()]
+    assert exit_info.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: "), said
+    return lines[0], said.out
+
+
+@pytest.mark.quick
+def test_impossible_jobs_are_refused_as_the_step_and_submit_refuse_them(demo, small_config, capsys):
+    """Negative counts of GPUs and nodes; a tensor-parallel group larger than a node (submit.py and the
+    step refuse it: tensor parallelism stays inside a node); a --shard_group_size that does not divide
+    the ranks, also where the check chooses the sharding: the same line as with HYBRID_SHARD named."""
+    line, out = refusal(capsys, training_job(demo, "--gpus_per_node", -2, "--nodes", -2))
+    assert line.startswith("error: --gpus_per_node must be at least 1 (got -2)") and "fits" not in out
+    line, out = refusal(capsys, training_job(demo, "--gpus_per_node", 1, "--nodes", -2))
+    assert line.startswith("error: --nodes must be at least 1 (got -2)")
+    spans_nodes = ("error: --tp_size 4 does not divide the 2 ranks of each of the 2 nodes into tensor-parallel "
+                   "groups (a group stays inside a node, on its fast links): choose one of 1, 2")
+    assert refusal(capsys, training_job(demo, "--step", "tp", "--gpus_per_node", 2, "--nodes", 2)
+                   + ["--tp_size", "4"])[0] == spans_nodes
+    assert refusal(capsys, ["--model", str(small_config), "--gpus_per_node", "2", "--nodes", "2", "--tp_size", "4",
+                            "--max_seq_length", "16"])[0] == spans_nodes
+    named = refusal(capsys, training_job(demo, "--gpus_per_node", 4, "--nodes", 2)
+                    + ["--shard_group_size", "3", "--sharding_strategy", "HYBRID_SHARD"])
+    chosen = refusal(capsys, training_job(demo, "--gpus_per_node", 4, "--nodes", 2, "--choose_sharding")
+                     + ["--shard_group_size", "3"])
+    assert chosen == named and named[0] == "error: HYBRID_SHARD: 8 ranks do not split into groups of 3 " \
+                                           "(--shard_group_size)" and chosen[1] == ""
+
+
+def test_step_6_jobs_get_no_sharding_choice(demo, capsys):
+    """Step 6 has no HYBRID_SHARD (its tensor-parallel groups take the node's place): on several nodes
+    the check chooses nothing for it, in the templates' form as in submit.py (the one rule, chooses_sharding)."""
+    assert not cp.chooses_sharding("tp", 2, [])
+    assert cp.chooses_sharding("fsdp", 2, []) and cp.chooses_sharding("lora", 2, ["--lr", "1"])
+    assert not cp.chooses_sharding("fsdp", 1, []) and not cp.chooses_sharding("fsdp", 2, ["--sharding_strategy=X"])
+    assert cp.main(training_job(demo, "--step", "tp", "--gpus_per_node", 1, "--nodes", 2, "--choose_sharding")
+                   + ["--tp_size", "1"]) == 0
+    said = capsys.readouterr()
+    assert said.out == "" and "HYBRID_SHARD" not in said.err and said.err.startswith("plan check: fits: "), said

@@ -26,7 +26,7 @@ UCI_PLIES = 40  # a cap on the UCI games, which otherwise may run to the 75-move
 
 def play(*args, env=ENV):
     return subprocess.run([sys.executable, PLAY, *map(str, args)], capture_output=True, text=True, timeout=300,
-                          env=env, cwd=REPO)
+                          env=env, cwd=REPO, stdin=subprocess.DEVNULL)
 
 
 @pytest.fixture(scope="module")
@@ -362,6 +362,8 @@ def test_an_existing_game_is_kept_and_the_next_goes_beside_it(demo, tmp_path):
     (["--games", "2", "--gif", "{tmp}/a.gif"], "--gif draws one game"),
     (["--games", "0"], "--games must be at least 1 (got 0)"),
     (["--max_plies", "0"], "--max_plies must be at least 1 (got 0)"),
+    (["--uci", "--games", "5", "--pgn", "{tmp}/y.pgn"], "--games, --pgn do not apply to --uci"),  # issue 43 case 7
+    (["--uci", "--opponent", "stockfish"], "--opponent does not apply to --uci"),
 ])
 def test_bad_output_options_are_one_line_before_the_game(tmp_path, options, says):
     """Refused before the model loads: one error line, nothing played, nothing written."""

@@ -177,7 +177,12 @@ def test_dry_run_quotes_paths_for_the_shell(no_slurm_env, tmp_path):
     (["--step", "fsdp", "--", "--batch-size-per-device=4"], "use submit.py's --batch_size_per_device"),
     (["--step", "tp", "--", "--tp_size", "2"], "use submit.py's --tp_size"),
     (["--step", "fsdp", "--tp_size", "2"], "--tp_size is step 6's (--step tp), not --step fsdp's"),
-    (["--step", "tp", "--gpus", "4", "--tp_size", "3"], "--tp_size 3 must divide the 4 GPUs of a node (--gpus)"),
+    (["--step", "tp", "--gpus", "4", "--tp_size", "3"], "--tp_size 3 does not divide the 4 ranks into tensor-parallel "
+                                                         "groups: choose one of 1, 2, 4"),
+    (["--step", "tp", "--gpus", "2", "--nodes", "2", "--tp_size", "4"],  # issue 43 case 8: the step's own refusal
+     "--tp_size 4 does not divide the 2 ranks of each of the 2 nodes into tensor-parallel groups (a group stays "
+     "inside a node, on its fast links): choose one of 1, 2"),
+    (["--step", "tp", "--tp_size", "0"], "--tp_size must be at least 1 (got 0)"),
     (["--step", "tp", "--gpus", "8", "--tp_size", "8"], "--tp_size 8: "),  # the demo model's 4 heads
     (["--step", "tp", "--gpus", "4", "--total_batch_size", "5", "--batch_size_per_device", "2"],
      "--total_batch_size 5 is not a multiple of --batch_size_per_device 2 × 1 data-parallel groups = 2"),

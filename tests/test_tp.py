@@ -8,6 +8,7 @@ checkpoint does not depend on the mesh. Generation (the evaluation's greedy move
 cache) gives the tokens and logits of the whole model. A --tp_size that the model's layers or the
 ranks cannot be split by is one error line.
 """
+import json
 import os
 import shutil
 import signal
@@ -176,6 +177,8 @@ def test_tp_size_checks_and_default():
     assert default_tp_size(codellama, 6, on_gpu=True) == 2  # divides the node's 6 GPUs and the heads
     assert default_tp_size(codellama, 4, on_gpu=False) == 2  # the CPU: 4 processes run 2 x 2
     assert default_tp_size(codellama, 1, on_gpu=False) == 1
+    # issue 43 case 14: 3 processes on the CPU, no --tp_size: lowered to what divides them, not refused
+    assert default_tp_size(codellama, 3, on_gpu=False) == 1
     check_tp_size(8, 16, codellama, "m")
     with pytest.raises(UserError, match=r"^--tp_size 16: m has 40 attention heads, 8 key-value heads, which do "
                                         r"not split into 16 equal parts .*: choose one of 1, 2, 4, 8$"):
@@ -183,3 +186,80 @@ def test_tp_size_checks_and_default():
     with pytest.raises(UserError, match=r"^--tp_size 3 does not divide the 4 ranks into tensor-parallel groups: "
                                         r"choose one of 1, 2, 4$"):
         check_tp_size(3, 4, codellama, "m")
+    # issue 43 case 8: a group that would span nodes (2 nodes x 1 rank, --tp_size 2) is refused
+    with pytest.raises(UserError, match=r"^--tp_size 2 does not divide the 1 ranks of each of the 2 nodes into "
+                                        r"tensor-parallel groups \(a group stays inside a node, on its fast links\): "
+                                        r"choose one of 1$"):
+        check_tp_size(2, 2, codellama, "m", ranks_per_node=1)
+    check_tp_size(2, 4, codellama, "m", ranks_per_node=2)
+
+
+def tiny_config(path, model_type="llama", **changes):
+    """A config.json of the demo's proportions (Phi-3's layers fuse q, k and v, and gate and up)."""
+    from transformers import LlamaConfig, Phi3Config
+    kind = {"llama": LlamaConfig, "phi3": Phi3Config}[model_type]
+    config = kind(hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, vocab_size=128, max_position_embeddings=1024, pad_token_id=0, bos_token_id=2,
+                  eos_token_id=3, **changes).to_dict()
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({**config, "chess_notation": "piece"}))
+    return path
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("model_type,changes,says", [
+    ("phi3", {}, "(phi3, Phi3ForCausalLM): it has no self_attn.q_proj, self_attn.k_proj, self_attn.v_proj, "
+                 "mlp.gate_proj, mlp.up_proj (its layers have self_attn.qkv_proj, mlp.gate_up_proj); step 6 splits "
+                 "Llama-style layers"),
+    ("llama", {"tie_word_embeddings": True}, "(llama, LlamaForCausalLM): its lm_head is its input embedding "
+                                             "(tie_word_embeddings), which step 6 would split two ways"),
+])
+def test_a_model_step_6_cannot_split_is_refused_by_the_plan_check_and_submit(tmp_path, capsys, model_type, changes,
+                                                                           says):
+    """Issue 43 cases 6 and 12: step 6's one check (common/tensor_parallel.tp_size_for), from the config
+    alone: the plan check (before a job) and submit.py refuse the model in the step's line."""
+    from tools import check_plan
+    model = tiny_config(tmp_path / "model", model_type, **changes)
+    with pytest.raises(SystemExit) as exit_info:
+        check_plan.exit_on_user_error(lambda: check_plan.main(["--model", str(model), "--gpus_per_node", "2",
+                                                               "--tp_size", "2", "--max_seq_length", "64"]))
+    said = capsys.readouterr()
+    assert exit_info.value.code == 2 and said.out == "" and said.err.count("\n") == 1, said
+    assert said.err.startswith(f"error: step 6 cannot split {model} {says}") and \
+        said.err.rstrip().endswith("train this model with step 4"), said.err
+    import submit
+    with pytest.raises(SystemExit) as exit_info:
+        submit.exit_on_user_error(lambda: submit.main(["--step", "tp", "--gpus", "2", "--model", str(model),
+                                                       "--dry-run"]))
+    assert exit_info.value.code == 2 and capsys.readouterr().err == said.err
+
+
+def test_a_model_step_6_cannot_split_is_refused_before_its_weights_are_read(demo, tmp_path):
+    """Issue 43 case 12: a Phi-3 (fused qkv_proj and gate_up_proj) under torchrun, with no weights on
+    disk at all: one line, no "could not be resolved" warnings, no traceback, nothing of a run written."""
+    model = tiny_config(tmp_path / "model", "phi3")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo / "model" / name, model)
+    args = ["--model", model, "--data_dir", demo / "data", "--output_dir", tmp_path / "run", *QUICK, "--max_steps", 2]
+    result = subprocess.run([sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc-per-node=2",
+                             str(STEP_SCRIPTS["tp"]), *map(str, args)], cwd=REPO, capture_output=True, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    output = result.stdout + result.stderr
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1, output[-3000:]
+    assert lines[0].startswith(f"error: step 6 cannot split {model} (phi3, Phi3ForCausalLM)"), lines
+    assert not (tmp_path / "run" / "run.json").exists()
+
+
+def test_evaluation_too_small_for_the_data_parallel_groups_says_so(demo, tmp_path):
+    """Issue 43 case 14: --eval_rows 1 on 2 data-parallel groups (2 ranks at --tp_size 1; at 4 ranks and
+    --tp_size 2 the same 2 groups): the line counts the groups that share out the evaluation."""
+    args = ["--model", demo / "model", "--data_dir", demo / "data", "--output_dir", tmp_path / "run",
+            "--max_seq_length", 64, "--max_steps", 1, "--eval_rows", 1, "--eval_games", 8, "--tp_size", 1]
+    result = subprocess.run([sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc-per-node=2",
+                             str(STEP_SCRIPTS["tp"]), *map(str, args)], cwd=REPO, capture_output=True, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and errors == [
+        "error: the validation data gives 1 rows, fewer than the 2 data-parallel groups that evaluate them: use more "
+        "validation games (or raise --eval_rows / --eval_games)"], result.stdout + result.stderr[-3000:]

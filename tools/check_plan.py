@@ -67,7 +67,7 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefT
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
-from common.arguments import Parser, check_arguments
+from common.arguments import Parser, at_least, check_arguments
 from common.batch import gradient_accumulation_steps
 from common.errors import UserError, exit_on_user_error, first_line
 from common.model import build_model, check_max_seq_length, enable_gradient_checkpointing
@@ -540,13 +540,15 @@ def choose_strategy(args, gpus_per_node, nodes, step, gpu_memory_gib, out=None):
     the choice and both peaks; returns (the strategy, its plan)."""
     out = out or sys.stdout
 
-    def job(strategy):
-        return argparse.Namespace(**{**vars(args), "sharding_strategy": strategy, "shard_group_size": None})
+    def job(strategy):  # the job's --shard_group_size stays: the job will run HYBRID_SHARD with it
+        return argparse.Namespace(**{**vars(args), "sharding_strategy": strategy})
     plans = {strategy: plan(job(strategy), gpus_per_node, nodes, step, gpu_memory_gib)
              for strategy in ("HYBRID_SHARD", "FULL_SHARD")}
     choice = "HYBRID_SHARD" if plans["HYBRID_SHARD"]["fits"] else "FULL_SHARD"
     hybrid, full = (gib(plans[strategy]["needed"]) for strategy in ("HYBRID_SHARD", "FULL_SHARD"))
-    print(f"sharding: {choice} on {nodes} nodes: HYBRID_SHARD (sharded inside each node of {gpus_per_node} GPUs) "
+    group = (f"in groups of {args.shard_group_size} GPUs" if getattr(args, "shard_group_size", None)
+             else f"inside each node of {gpus_per_node} GPUs")
+    print(f"sharding: {choice} on {nodes} nodes: HYBRID_SHARD (sharded {group}) "
           f"needs {hybrid} GiB per GPU, FULL_SHARD (over all {gpus_per_node * nodes} GPUs) {full} GiB, of "
           f"{plans[choice]['gpu_memory_gib']:g}; --sharding_strategy chooses another", file=out, flush=True)
     return choice, plans[choice]
@@ -558,6 +560,13 @@ def names_option(argv, option):
     return any(arg.split("=", 1)[0] in spellings for arg in argv)
 
 
+def chooses_sharding(step, nodes, training_args):
+    """Whether the plan check chooses a job's sharding (submit.py, the Slurm templates): steps 4 and 5 on
+    several nodes, where the training arguments name no --sharding_strategy. Step 6 has no HYBRID_SHARD:
+    its tensor-parallel groups take the node's place."""
+    return step != "tp" and nodes > 1 and not names_option(training_args, "--sharding_strategy")
+
+
 def check_training_job(argv):
     """`check_plan.py --gpus_per_node N --nodes M [--step lora] -- TRAINING ARGUMENTS`: the check of
     a job given as the training script's own arguments (what slurm/fsdp.sh runs before training).
@@ -566,8 +575,8 @@ def check_training_job(argv):
     own, training_args = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     parser = Parser("the plan check of a job given by its training arguments (after --)")
     parser.add("step", choices=["fsdp", "lora", "tp"], default="fsdp", help="04_fsdp, 05_lora or 06_tp")
-    parser.add("gpus_per_node", type=int, required=True, help="GPUs (ranks) per node")
-    parser.add("nodes", type=int, default=1, help="nodes")
+    parser.add("gpus_per_node", type=at_least(1), required=True, help="GPUs (ranks) per node")
+    parser.add("nodes", type=at_least(1), default=1, help="nodes")
     parser.add("gpu_memory_gib", type=float, default=None, help="memory of one GPU (default: this machine's, else 80)")
     parser.add("override", default="--force", help="how the refusal says to run the job anyway")
     parser.add("choose_sharding", action="store_true",
@@ -577,7 +586,7 @@ def check_training_job(argv):
     if args.gpu_memory_gib is not None and not (math.isfinite(args.gpu_memory_gib) and args.gpu_memory_gib > 0):
         raise UserError(f"--gpu_memory_gib must be positive (got {args.gpu_memory_gib:g})")
     job = check_training_arguments(args.step, training_args)
-    choose = args.choose_sharding and args.nodes > 1 and not names_option(training_args, "--sharding_strategy")
+    choose = args.choose_sharding and chooses_sharding(args.step, args.nodes, training_args)
     out = sys.stderr if args.choose_sharding else sys.stdout
     result = check_job(args.step, job, args.gpus_per_node, args.nodes, args.gpu_memory_gib, args.override, choose, out)
     if choose and result is not None:
