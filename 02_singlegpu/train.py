@@ -127,6 +127,9 @@ def main():
         tqdm.write(f"untrained model: {untrained}")
     metrics = MetricsLog(output_dir, True, args, model, 1, accumulation, device, resumed_at=start_step)
     profiler = StepProfiler(args.profile_steps, output_dir.profile, start_step, device)
+    if metrics.evaluation_missing():  # a stop came between the resumed step and its evaluation
+        watchdog.phase("evaluation", start_step)
+        metrics.add_evaluation(evaluate())
     progress = tqdm(range(start_step, args.max_steps), desc="train", initial=start_step, total=args.max_steps,
                     mininterval=1.0)
     for step in progress:
@@ -143,7 +146,7 @@ def main():
                                                                stop.any_rank()]).tolist()
         checkpoint.stop_if_not_finite(loss_total, step + 1, output_dir, model)
         record = metrics.step_record(step + 1, tokens, loss_total, grad_norm, scheduler.get_last_lr()[0], timer)
-        if not stopping and ((args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.max_steps):
+        if not stopping and metrics.evaluates_at(step + 1):
             watchdog.phase("evaluation", step + 1)
             figures = evaluate(stop.requested)
             stopping = figures is None

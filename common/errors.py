@@ -7,7 +7,12 @@ import time
 
 
 class UserError(Exception):
-    """A problem the user can fix: bad paths, bad arguments, bad data. Printed as one line."""
+    """A problem the user can fix: bad paths, bad arguments, bad data. Printed as one line, by rank 0
+    (every rank fails the same way), or by the rank that `by_this_rank` names when only some ranks see it."""
+
+    def __init__(self, message, by_this_rank=None):
+        super().__init__(message)
+        self.by_this_rank = by_this_rank
 
 
 def say(line, file=None):
@@ -66,6 +71,7 @@ def exit_on_user_error(main, needs_torchrun=False):
             require_torchrun()
         result = main()
     except UserError as err:
+        speaks = speaks if err.by_this_rank is None else err.by_this_rank
         if speaks:
             say(f"error: {err}", file=sys.stderr)
         leave_after_user_error(speaks)

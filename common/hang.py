@@ -94,16 +94,17 @@ class Watchdog:
     def report(self):
         where, frame = self.where, sys._current_frames().get(self.main_thread.ident)
         doing = waiting_in(frame)
-        self.folder.mkdir(parents=True, exist_ok=True)
-        stacks = self.folder / f"stacks-rank{self.rank}.txt"
-        with open(stacks, "w") as file:
-            file.write(f"rank {self.rank}: {where}, {doing}, after {self.timeout_s} s\n\n")
-            faulthandler.dump_traceback(file, all_threads=True)
-        write_flight_recorder(self.folder / f"flight_recorder_rank{self.rank}")
-        records = self.exchange({"where": where, "doing": doing, "issued": issued_collectives()})
+        unwritable = self.write_stacks(f"rank {self.rank}: {where}, {doing}, after {self.timeout_s} s\n\n")
+        if unwritable is None:
+            write_flight_recorder(self.folder / f"flight_recorder_rank{self.rank}")
+        records = self.exchange({"where": where, "doing": doing, "issued": issued_collectives(),
+                                 "unwritable": unwritable})
         if self.rank == min(records):
-            say(f"error: {describe(records, self.world_size, self.timeout_s)}; every rank's stacks are in "
-                f"{self.folder}/: raise --collective_timeout if this wait was legitimate", file=sys.stderr)
+            failed = [record["unwritable"] for record in records.values() if record.get("unwritable")]
+            stacks = (f"every rank's stacks are in {self.folder}/" if not failed else
+                      f"the stacks are on standard error above ({self.folder}: {failed[0]})")
+            say(f"error: {describe(records, self.world_size, self.timeout_s)}; {stacks}: raise --collective_timeout "
+                "if this wait was legitimate", file=sys.stderr)
         # From here a rank's output is noise: the first rank to end closes the others' collectives, and their
         # main threads would print tracebacks. Each rank silences itself, and none ends before all have.
         silence_output()
@@ -111,6 +112,24 @@ class Watchdog:
         self.store_wait(*(f"hang/silent{rank}" for rank in records))
         end_silent_neighbours(records)
         os._exit(HANG_EXIT)
+
+    def write_stacks(self, header):
+        """The Python stacks of all this rank's threads, in its file in the hang folder; on standard error
+        where that folder fails (a file in its place, not writable, a full disk): the watchdog goes on, and
+        the hang still ends with its line. Returns None, or why the folder failed."""
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            with open(self.folder / f"stacks-rank{self.rank}.txt", "w") as file:
+                file.write(header)
+                file.flush()  # a full disk fails here, where faulthandler's own writes would fail silently
+                faulthandler.dump_traceback(file, all_threads=True)
+            return None
+        except OSError as err:
+            with contextlib.suppress(OSError, ValueError):
+                sys.stderr.write(header)
+                sys.stderr.flush()
+                faulthandler.dump_traceback(sys.stderr, all_threads=True)
+            return err.strerror or type(err).__name__
 
     def store_set(self, key, value):
         try:

@@ -66,7 +66,7 @@ def try_lock(path):
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     except OSError as err:
-        raise UserError(f"cannot create the lock file {path} ({err.strerror})") from None
+        raise UserError(f"cannot create the lock file {path} ({err.strerror}){if_full(err)}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as err:
@@ -84,13 +84,24 @@ def try_lock(path):
     if not same:
         os.close(fd)
         return try_lock(path)
-    os.ftruncate(fd, 0)
-    os.write(fd, (describe_this_process() + "\n").encode())
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, (describe_this_process() + "\n").encode())
+    except OSError as err:
+        os.close(fd)
+        raise UserError(f"cannot write the lock file {path} ({err.strerror}){if_full(err)}") from None
     if not _fork_hook:
         os.register_at_fork(after_in_child=_close_held_in_child)
         _fork_hook.append(_close_held_in_child)
     _held.add(fd)
     return Lock(path, fd)
+
+
+def if_full(err):
+    """What to do when `err` says the disk is full (or the quota used up), else nothing."""
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return ": the disk is full; free some space there (or use a folder on another disk)"
+    return ""
 
 
 def holder(path):

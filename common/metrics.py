@@ -19,9 +19,11 @@ class MetricsLog:
 
     def __init__(self, run_dir, enabled, args, model, world_size, accumulation, device, resumed_at=0):
         path = run_dir.metrics
+        self.resumed = None  # the record of the step the run resumed at, if on file
         if enabled and resumed_at and path.exists():  # keep the steps up to the checkpoint; later ones will be redone
             kept = [line for line in path.read_text().splitlines() if step_of(line) <= resumed_at]
             path.write_text("".join(line + "\n" for line in kept))
+            self.resumed = json.loads(kept[-1]) if kept and step_of(kept[-1]) == resumed_at else None
         self.file = path.open("a" if resumed_at else "w", encoding="utf-8") if enabled else None
         self.tracker = Tracker(list(args.report_to), run_dir.path, run_dir.path.name,
                                run_params(args, world_size, device), enabled)
@@ -44,6 +46,35 @@ class MetricsLog:
                 "gradient_accumulation_steps": self.accumulation,
                 "batch_size_per_device": self.args.batch_size_per_device, **peak_memory(self.device),
                 **model_flops_utilization(per_device, self.model_flops, self.device)}
+
+    def evaluates_at(self, step):
+        """Whether optimiser step `step` ends with an evaluation: every --eval_every steps, and the last one."""
+        return bool(self.args.eval_every and step % self.args.eval_every == 0) or step == self.args.max_steps
+
+    def evaluation_missing(self):
+        """True on every rank if the step the run resumed at was due an evaluation that a stop cut short
+        (a preemption in the last step left no final evaluation). A collective, as rank 0 alone reads the
+        log: call it at the same point on all ranks."""
+        missing = self.resumed is not None and self.evaluates_at(self.resumed["step"]) \
+            and "eval_loss" not in self.resumed
+        flag = torch.tensor(float(missing), device=self.device)
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def add_evaluation(self, figures):
+        """The missing evaluation's figures, added to the resumed step's record as if never cut short."""
+        if self.file is None:
+            return
+        self.resumed.update(figures)
+        lines = self.run_dir.metrics.read_text().splitlines()[:-1] + [json.dumps(self.resumed)]
+        self.file.close()  # written again with the record completed, then appended to as before
+        self.run_dir.metrics.write_text("".join(line + "\n" for line in lines))
+        self.file = self.run_dir.metrics.open("a", encoding="utf-8")
+        self.records.append(self.resumed)  # the run's last step, if it was the last: the summary's figures
+        self.tracker.log(figures, step=self.resumed["step"])
+        print(f"step {self.resumed['step']}: eval_loss={figures['eval_loss']:.4f} "
+              f"legal_move_rate={figures['legal_move_rate']:.3f}", flush=True)
 
     def write(self, record):
         record["since_start_s"] = round(time.time() - psutil.Process().create_time(), 2)  # time to first step

@@ -15,7 +15,7 @@ from common import errors, lock
 from common.errors import UserError
 from common.notation import CONFIG_KEY
 from common.run_dir import RunDir, new_run_id
-from common.shared_folder import check_shared
+from common.shared_folder import check_shared, refuse_if_any_rank
 
 # The inputs a run reads from disk: --overwrite must not delete them with the old run.
 INPUTS = ("model", "data_dir", "prepared_dir")
@@ -43,11 +43,7 @@ class OutputDir:
             self.resume, self.overwrite = True, False
         self._make_writable()
         self.lock = None
-        if is_main:
-            self.lock = lock.try_lock(self.run_dir.lock_file)
-            if self.lock is None:
-                raise UserError(f"another run is writing to {self.path} ({lock.holder(self.run_dir.lock_file)}): "
-                                "wait for it to end, or choose another --output_dir")
+        refuse_if_any_rank(self._take_lock() if is_main else None)  # rank 0's verdict, which the others wait for
         check_shared(self.path, "--output_dir")  # the same folder on every node: they all write shards there
         if getattr(args, "prepared_dir", None):  # where the job reads, or makes, the tokenized games
             check_shared(args.prepared_dir, "--prepared_dir")
@@ -63,18 +59,33 @@ class OutputDir:
             self._refuse_foreign_checkpoints()
         errors.explain_interrupts_with(self.where_to_continue)
 
+    def _take_lock(self):
+        """None once the lock is held, else why not."""
+        try:
+            self.lock = lock.try_lock(self.run_dir.lock_file)
+        except UserError as err:  # not writable, a full disk
+            return str(err)
+        if self.lock is None:
+            return (f"another run is writing to {self.path} ({lock.holder(self.run_dir.lock_file)}): wait for it "
+                    "to end, or choose another --output_dir")
+        return None
+
     def _make_writable(self):
+        """Every rank must be able to write the folder (a node may see it read-only): one verdict for all."""
+        refuse_if_any_rank(self._why_not_writable())
+
+    def _why_not_writable(self):
         try:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as err:
-            raise UserError(f"cannot create --output_dir {self.path}: {err.strerror}") from None
+            return f"cannot create --output_dir {self.path}: {err.strerror}"
         probe = self.path / f".write-test-{os.uname().nodename}-{os.getpid()}"  # a real write: root passes os.access
         try:
             probe.touch()
             probe.unlink()
         except OSError as err:
-            raise UserError(f"--output_dir {self.path} is not writable ({err.strerror}): choose another "
-                            "directory") from None
+            return f"--output_dir {self.path} is not writable ({err.strerror}): choose another directory"
+        return None
 
     def _refuse_to_delete_inputs(self, args):
         """--overwrite deletes the old run's outputs: not when an input is among them (e.g. --model

@@ -7,12 +7,13 @@ file there, and the first rank of every node must see it: otherwise one line nam
 """
 import os
 import socket
+import sys
 import uuid
 from pathlib import Path
 
 import torch.distributed as dist
 
-from common.errors import UserError
+from common.errors import UserError, say
 
 
 def check_shared(path, what):
@@ -28,16 +29,44 @@ def check_shared(path, what):
     first_of_node = int(os.environ.get("LOCAL_RANK", "0")) == 0
     sees = not first_of_node or (probe.is_file() and probe.read_text() == name[0])
     blind = [None] * dist.get_world_size()
-    dist.all_gather_object(blind, None if sees else f"node {os.environ.get('GROUP_RANK', '?')} "
-                                                    f"({socket.gethostname()})")
-    if dist.get_rank() == 0:  # every rank has looked by now
-        probe.unlink(missing_ok=True)
+    try:
+        dist.all_gather_object(blind, None if sees else this_node())
+    finally:  # every rank has looked by now, or one has gone: the probe is not left behind
+        if dist.get_rank() == 0:
+            probe.unlink(missing_ok=True)
     blind = [node for node in blind if node]
     if blind:
         raise UserError(f"{what} {path} is not shared by the job's nodes: {', '.join(blind)} cannot see the file "
                         "rank 0 wrote there (a folder on each node's own disk, such as /tmp or a local scratch?). "
                         "Each node would keep its part of every checkpoint: use a folder on a file system that "
                         "every node mounts (e.g. /scratch/$USER/...)")
+
+
+def this_node():
+    """'node 1 (gpu017)': the node's rank in the job (torchrun's GROUP_RANK) and its host name."""
+    return f"node {os.environ.get('GROUP_RANK', '?')} ({socket.gethostname()})"
+
+
+def refuse_if_any_rank(problem):
+    """`problem`: why this rank cannot use a folder, or None. A collective, where a node may see what the
+    others do not (the folder read-only there), or one rank alone looks (rank 0 takes the lock): if any rank
+    has a problem, every rank stops with exit status 2, before anything is written; the first such rank says
+    it in one `error:` line (that names its node, in a job of several), and rank 0, if it is another, ends
+    with the same words as a `stopped:` line."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if problem:
+            raise UserError(problem)
+        return
+    several_nodes = dist.get_world_size() > int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    problems = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, f"{this_node()}: {problem}" if problem and several_nodes else problem)
+    failed = [rank for rank, said in enumerate(problems) if said]
+    if not failed:
+        return
+    first = failed[0]
+    if dist.get_rank() == 0 and first != 0:
+        say(f"stopped: {problems[first]}", file=sys.stderr)
+    raise UserError(problems[first], by_this_rank=dist.get_rank() == first)
 
 
 def written_probe(folder):

@@ -11,6 +11,11 @@ collective halfway, and the ranks must all stop at the same step.
   SIGUSR2  Slurm's early warning before the time limit (`--signal=B:USR2@300` in the kit's
            templates; submitit uses USR2 too): the same, with minutes to spare.
   SIGINT   Ctrl-C: the same; a second Ctrl-C stops at once, without saving.
+
+Slurm's warning can come at any moment, also while the run still loads: the templates' launcher
+holds it (blocked, slurm/preemption.sh: USR2_IGNORED), and so do the ranks, which inherit that, until
+their stop flag is set; torchrun (launch/torchrun.py) passes on one that comes before it has started
+its ranks, through their environment. So the run saves at its first step boundary.
 """
 import ctypes
 import os
@@ -23,6 +28,7 @@ import torch.distributed as dist
 from common import errors
 
 PREEMPTION_SIGNAL = signal.SIGUSR2  # one warning signal for the whole kit, the same as submitit's
+WARNED_BEFORE_START = "KIT_PREEMPTION_WARNED"  # set by launch/torchrun.py for the ranks it starts after a warning
 _PR_SET_PDEATHSIG = 1
 
 
@@ -35,6 +41,9 @@ class StopFlag:
         self.received = None
         for signum in (signal.SIGTERM, PREEMPTION_SIGNAL, signal.SIGINT):
             signal.signal(signum, self._handle)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {PREEMPTION_SIGNAL})  # a warning held until now arrives here
+        if os.environ.get(WARNED_BEFORE_START):
+            self._handle(PREEMPTION_SIGNAL, None)
 
     def _handle(self, signum, frame):
         if signum == signal.SIGINT and self.received == signal.SIGINT:

@@ -41,8 +41,9 @@ def _prepare_child():
     # Slurm's clean-up and keeps its rendezvous port and store alive for later jobs.
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     # Slurm delivers the preemption signal to every process of the step; torchrun's agent would
-    # die of it. Ignored here (SIG_IGN survives exec); the training installs its own handler.
-    signal.signal(PREEMPTION_SIGNAL, signal.SIG_IGN)
+    # die of it. Held (blocked: that survives exec, and an ignored warning would be lost) until the
+    # training has set its handler (common/signals.py); torchrun passes on what it gets (launch/torchrun.py).
+    signal.pthread_sigmask(signal.SIG_BLOCK, {PREEMPTION_SIGNAL})
 
 
 class StepLauncher:

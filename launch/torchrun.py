@@ -12,11 +12,18 @@ itself (Ctrl-C, Slurm's SIGTERM), torchrun passes SIGTERM on to the ranks, which
 and say where; its own traceback about the signal is left out, and the exit status is 128 + the
 signal (143 for SIGTERM). The Slurm templates and submit.py launch the steps this way.
 """
+import contextlib
 import logging
 import os
 import signal
 import sys
+import threading
 
+import psutil
+
+# Slurm's warning (USR2) is the ranks' to act on (common/signals.py); its default action would end torchrun.
+# Held (blocked) from here on, before any thread starts, so that every thread and every rank inherits that.
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
 # torchrun's C++ side warns, with a C++ stack trace, when a node's rendezvous store goes away:
 # what every other node sees after a refused multi-node job's first node has ended. For this
 # process only (read when torch loads, then removed, so the ranks keep their own warnings).
@@ -33,6 +40,8 @@ from torch.distributed import DistNetworkError  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: E402
 from torch.distributed.elastic.rendezvous.api import RendezvousError  # noqa: E402
 from torch.distributed.run import main as torchrun  # noqa: E402
+
+from common.signals import WARNED_BEFORE_START  # noqa: E402
 
 USER_ERROR = 2  # the exit status of common.errors.exit_on_user_error
 HANG = 3  # common.hang's: the rank has said where the job hung, in one line
@@ -64,6 +73,18 @@ class HoldBack(logging.Filter):
             logging.getLogger(record.name).handle(record)
 
 
+def pass_on_preemption_warnings():
+    """Each warning that reaches torchrun goes on to its ranks: those running get the signal (held until
+    their stop flag is set), those it starts later find it noted in their environment."""
+    while True:
+        signal.sigwait({signal.SIGUSR2})
+        os.environ[WARNED_BEFORE_START] = "1"  # first: a rank started from now on copies it
+        for child in psutil.Process().children():
+            with contextlib.suppress(psutil.Error):
+                if "RANK" in child.environ():  # a rank, not another helper process of torchrun's
+                    child.send_signal(signal.SIGUSR2)
+
+
 def signalled_once(handler):
     """torchrun's signal handler, for the first signal only: at a time limit Slurm signals torchrun
     and srun forwards the same SIGTERM a moment later, which would interrupt torchrun's shutdown."""
@@ -74,6 +95,7 @@ def signalled_once(handler):
 
 
 def main(argv=None):
+    threading.Thread(target=pass_on_preemption_warnings, name="preemption warnings", daemon=True).start()
     held = HoldBack()
     for name in ("", "torch", "torch.distributed", "torch.distributed.elastic"):  # where its records meet a handler
         for handler in logging.getLogger(name).handlers:

@@ -36,11 +36,15 @@ note_termination() {
 trap forward_preemption_warning USR2
 trap note_termination TERM
 
-# Runs the command after it with USR2 ignored: torchrun's agent would die of the forwarded
-# warning (the default action) and take the training down with it. An ignored signal stays
-# ignored across exec; the training processes install their own handler.
-# shellcheck disable=SC2016,SC2034  # "$@" is expanded by that inner bash; the templates use it
-USR2_IGNORED=(bash -c 'trap "" USR2 && exec "$@"' usr2-ignored)
+# Runs the command after it with USR2 held (blocked, not ignored: an ignored warning is lost):
+# torchrun's agent would die of the forwarded warning (the default action) and take the training
+# down with it. A blocked signal stays blocked across exec and in the processes started from there:
+# a warning that comes while the training loads waits until its handler is set (common/signals.py).
+# shellcheck disable=SC2034  # the templates use it
+USR2_IGNORED=(python -c 'import os, signal, sys
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
+signal.signal(signal.SIGUSR2, signal.SIG_DFL)
+os.execvp(sys.argv[1], sys.argv[1:])')
 
 # What the run directory holds, asked of the kit, which defines its layout (common/run_dir.py); the
 # templates have checked that `python` is the kit's before they source this file.

@@ -4,6 +4,7 @@ with --resume (so a run that went ahead would write there): afterwards every fil
 must be unchanged, byte for byte. Damaged checkpoints are not refused but survived: --resume
 falls back to the previous complete one, says so, and still ends where the uninterrupted run ends.
 """
+import contextlib
 import errno
 import json
 import math
@@ -386,6 +387,20 @@ def test_a_full_disk_is_one_line_that_says_so(demo, small_disk, step):
     line = one_error_line(result) if step == "single" else launcher_error_line(result)
     assert "no room for a checkpoint" in line and "MiB free" in line and "one needs about" in line, line
     assert not any((output_dir / "checkpoints").glob("*/COMPLETE"))
+
+
+@pytest.mark.parametrize("step", ["single", "tp"])
+def test_a_disk_full_from_the_start_is_one_line_that_names_the_folder(demo, tmpfs, step):
+    """Not a byte free when the run starts: the output folder's lock file cannot be written (steps 2 and 6)."""
+    disk = tmpfs("64k")
+    with contextlib.suppress(OSError):
+        (disk / "filler").write_bytes(bytes(1 << 20))
+    output_dir = disk / "run"
+    args = demo_args(demo, output_dir) + ["--max_steps", 1]
+    result = run_step("single", args, check=False) if step == "single" else launched([STEP_SCRIPTS["tp"], *args])
+    line = one_error_line(result) if step == "single" else launched_error_line(result)
+    assert line.startswith(f"error: cannot write the lock file {output_dir}/.lock (No space left on device): the "
+                           "disk is full"), line
 
 
 # Step 4's script, with a disk that another job fills up right after the space check of the second

@@ -5,6 +5,7 @@ timeout the user set, with one `error:` line that names the step, the phase and 
 doing, every live rank's stacks on disk, and the last complete checkpoint intact.
 A slow step: --profile_steps writes a trace per rank and a one-screen summary.
 """
+import contextlib
 import json
 import os
 import re
@@ -231,3 +232,30 @@ def test_a_rank_that_sticks_or_skips_a_collective_ends_the_job_with_one_line(tmp
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     assert sorted(p.name for p in (tmp_path / "hang").iterdir()) == [
         "flight_recorder_rank0", "flight_recorder_rank1", "stacks-rank0.txt", "stacks-rank1.txt"]
+
+
+@pytest.mark.parametrize("folder", ["a file", "on a full disk"])
+def test_a_hang_folder_that_fails_leaves_the_watchdog_watching(tmp_path, tmpfs, folder):
+    """The watchdog's own folder fails (a file in its place, or no byte free): each rank's stacks go to
+    standard error instead, and the watchdog still ends the hang, with its one line, which says where they are."""
+    if folder == "a file":
+        hang = tmp_path / "hang"
+        hang.write_text("a user's file\n")
+    else:
+        disk = tmpfs("64k")
+        with contextlib.suppress(OSError):
+            (disk / "filler").write_bytes(bytes(1 << 20))
+        hang = disk / "hang"
+    script = tmp_path / "ranks.py"
+    script.write_text(RANKS)
+    done = subprocess.run([sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc-per-node=2",
+                           str(script), "sticks in I/O", str(hang)], capture_output=True, text=True, timeout=120,
+                          cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 3, done.stderr[-3000:]  # the watchdog's end (without it: gloo's, after 60 s)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: no progress for 3 s in checkpoint of step 2"), \
+        done.stderr[-3000:]
+    assert f"the stacks are on standard error above ({hang}: " in errors[0], errors[0]
+    assert "Traceback" not in done.stderr and 'File "' in done.stderr, done.stderr[-3000:]  # the stacks
+    if folder == "a file":
+        assert hang.read_text() == "a user's file\n"  # left as it was

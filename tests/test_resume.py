@@ -2,6 +2,7 @@
 with --resume ends where an uninterrupted run ends (same per-step losses, same final weights),
 in all three steps. FSDP also resumes on a different number of ranks, since its checkpoint does
 not depend on the world size."""
+import json
 import os
 import signal
 import subprocess
@@ -167,3 +168,49 @@ def test_sigterm_to_every_process_with_loader_workers_saves_and_resumes_exactly(
     assert f"preempted: saved a checkpoint at step {stopped_at}" in output and "stopped by SIGTERM" in output
     run_step("fsdp", args + ["--resume"], nproc=nproc)
     assert_same_run(uninterrupted("fsdp"), stopped, tolerance=1e-6)
+
+
+def templates_launcher():
+    """The prefix the Slurm templates start the training with (slurm/preemption.sh's USR2_IGNORED)."""
+    define = subprocess.run(["sed", "-n", "/^USR2_IGNORED=(/,/')$/p", "slurm/preemption.sh"], cwd=REPO, text=True,
+                            capture_output=True, check=True).stdout
+    printed = subprocess.run(["bash", "-c", define + '\nprintf "%s\\0" "${USR2_IGNORED[@]}"'], text=True,
+                             capture_output=True, check=True).stdout
+    return [sys.executable if part == "python" else part for part in printed.split("\0")[:-1]]
+
+
+@pytest.mark.parametrize("step", ["single", "tp"])
+def test_warning_while_loading_stops_in_the_last_step_and_resume_ends_as_uninterrupted(demo, tmp_path, step):
+    """Slurm's warning (USR2) before the training has set its handler, through the templates' launcher:
+    step 2 gets it while it loads (after it has taken its output folder), step 6's torchrun at once
+    (before or as it starts its ranks). The run saves at its first step boundary, here in its last step,
+    before that step's evaluation, and says `preempted:`; --resume then runs the evaluation it skipped and
+    ends as an uninterrupted run: the same metrics, final model and summary."""
+    nproc = 1 if step == "single" else 2
+    reference, preempted = tmp_path / "reference", tmp_path / "preempted"
+    one_step = ["--max_steps", 1]
+    run_step(step, demo_args(demo, reference) + one_step, nproc=nproc)
+    args = [str(a) for a in demo_args(demo, preempted) + one_step]
+    script = [str(STEP_SCRIPTS[step])] if step == "single" else [
+        "-m", "launch.torchrun", "--standalone", f"--nproc-per-node={nproc}", str(STEP_SCRIPTS[step])]
+    process = subprocess.Popen(templates_launcher() + [sys.executable, *script, *args], cwd=REPO, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 120
+    started = (preempted / ".lock").exists if step == "single" else (
+        lambda: psutil.Process(process.pid).cmdline()[1:3] == ["-m", "launch.torchrun"])  # the launcher is torchrun
+    while not started():
+        assert process.poll() is None and time.time() < deadline, "the run did not start in time"
+        time.sleep(0.01)
+    process.send_signal(signal.SIGUSR2)
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, output[-3000:]
+    assert "preempted: saved a checkpoint at step 1" in output, output[-3000:]
+    assert not (preempted / "final").exists() and "eval_loss" not in read_metrics(preempted)[-1]
+    result = run_step(step, [*args, "--resume"], nproc=nproc)
+    assert_same_run(reference, preempted, tolerance=1e-6)
+    expected, got = read_metrics(reference)[-1], read_metrics(preempted)[-1]
+    assert (got["eval_loss"], got["legal_move_rate"]) == (expected["eval_loss"], expected["legal_move_rate"])
+    summary = json.loads((preempted / "summary.json").read_text())
+    assert summary["eval_loss"] == json.loads((reference / "summary.json").read_text())["eval_loss"]
+    assert f"eval_loss={summary['eval_loss']}" in result.stdout
