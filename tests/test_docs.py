@@ -158,6 +158,8 @@ def has_option(script, option):
 
 @cache
 def options_in_help(script):
+    if not re.search(r"\bParser\(|ArgumentParser\(", (REPO / script).read_text()):
+        return set()  # no argparse of its own: --help could run it
     helped = subprocess.run([sys.executable, script, "--help"], cwd=REPO, capture_output=True, text=True, timeout=120)
     return {option.replace("-", "_") for option in re.findall(r"(?<![\w-])--[a-zA-Z][\w-]*", helped.stdout)}
 
@@ -291,7 +293,7 @@ def missing_paths(page):
         first = path.split("/")[0]
         if any(path.startswith(output) or path + "/" == output for output in OUTPUTS) or first in run_outputs():
             continue
-        if "/" in path and "." not in path and not exists(first):  # codellama/CodeLlama-7b-hf: a model's id
+        if re.fullmatch(r"[\w\-]+/[\w.\-]+", path) and not exists(first):  # codellama/CodeLlama-7b-hf: a model's id
             continue
         here = os.path.normpath(Path(page).parent / path)
         if exists(path) or exists(here) or ("/" not in path and any(Path(name).name == path for name in tracked())):

@@ -53,6 +53,7 @@ class Drill:
         self.run = self.folder / "run"
         self.log = self.folder / "log.txt"
         self.facts = facts or {}  # what the drill saw as it injected, kept in drill.json for the answer
+        self.jobs = []  # the torchruns it started, ended with the drill (they run in sessions of their own)
 
     def answers(self):
         """The right answer to each question: what was drawn, unless the run's files tell it."""
@@ -72,9 +73,11 @@ class Drill:
         with open(log or self.log, "a") as out:
             out.write(f"$ {' '.join(command[1:])}\n")
             out.flush()
-            return subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                    env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-                                         "PYTHONUNBUFFERED": "1"})
+            self.jobs.append(subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                              start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                                                           "TOKENIZERS_PARALLELISM": "false",
+                                                                           "PYTHONUNBUFFERED": "1"}))
+        return self.jobs[-1]
 
     def steps_done(self):
         metrics = self.run / "metrics.jsonl"
@@ -119,13 +122,15 @@ def ranks_of(job, nproc):
 
 
 def end_job(job):
-    """Kill what is left of a job (a drill stopped early): its torchrun's session, ranks included."""
-    for process in [psutil.Process(job.pid), *psutil.Process(job.pid).children(recursive=True)] \
-            if job.poll() is None else []:
+    """Kill what is left of a job (a drill stopped early): its torchrun and its ranks."""
+    if job.poll() is None:
         try:
-            process.kill()
+            ranks = psutil.Process(job.pid).children(recursive=True)
         except psutil.Error:
-            pass
+            ranks = []
+        for process in ranks:
+            with_gone(process.kill)
+        job.kill()
     job.wait()
 
 
@@ -331,7 +336,11 @@ def start(args):
     (folder / "drill.json").write_text(json.dumps(record))
     print(f"drill {args.drill}: starting a small job on CPU ranks; a fault will come from outside (about a minute)",
           flush=True)
-    drill.inject()
+    try:
+        drill.inject()
+    finally:  # a drill stopped early (an error, Ctrl-C) leaves no job behind, no rank stopped
+        for job in drill.jobs:
+            end_job(job)
     (folder / "drill.json").write_text(json.dumps({**record, "facts": drill.facts}))
     print(f"done. The job's output: {drill.log}; its output directory: {drill.run}\n"
           f"What went wrong, and where? Answer with: python workshop/drills.py answer {args.drill} "
@@ -415,6 +424,7 @@ def parse_arguments(argv=None):
 
 def main(argv=None):
     args = parse_arguments(argv)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # end the drill's jobs too
     try:
         if args.command == "list":
             for name, drill in DRILLS.items():
