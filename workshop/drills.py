@@ -43,6 +43,7 @@ class DrillError(Exception):
 class Drill:
     """One fault: `draw()` picks it from the seed, `inject()` runs the job and injects it, `answers()` are
     the right answers, and `why` what a wrong answer to each question overlooked (a hint, not the answer)."""
+    summary = ""  # what `list` says of it
     questions = ()
     why = {}
 
@@ -136,6 +137,7 @@ def end_job(job):
 
 class FrozenRank(Drill):
     """SIGSTOP to one rank: it neither dies nor answers; the others wait for it in a collective."""
+    summary = "a rank stops taking part (SIGSTOP)"
     questions = ("rank", "phase", "cause")
     why = {"rank": "a rank the error line finds `waiting in` or `busy in` something answered the watchdog: it was "
                    "alive. Which one did not answer?",
@@ -168,6 +170,7 @@ class FrozenRank(Drill):
 
 class KilledRank(Drill):
     """SIGKILL to one rank in the middle of training (out of memory, a node lost)."""
+    summary = "a rank dies (SIGKILL)"
     questions = ("rank", "cause")
     why = {"rank": "the ranks that say `stopped: rank N lost another rank` are the survivors; torchrun's report "
                    "names the one that failed, with its exit code",
@@ -191,6 +194,7 @@ class KilledRank(Drill):
 class Straggler(Drill):
     """One rank stopped and continued over and over (SIGSTOP/SIGCONT: a slow or shared core, a noisy
     neighbour): the job finishes, slowly; the profile of each rank shows who waits for whom."""
+    summary = "one rank is slower than the others (SIGSTOP/SIGCONT, over and over)"
     questions = ("rank", "cause")
     why = {"rank": "a rank that spends much of its step in communication is waiting there for a slower one: "
                    "compare the ranks' profile summaries",
@@ -216,6 +220,7 @@ class Straggler(Drill):
 class NonfiniteLoss(Drill):
     """A learning rate far too high: the loss becomes non-finite within a few steps. No rank is at
     fault; the step is the run's, read from its files."""
+    summary = "the loss runs away (a learning rate far too high)"
     questions = ("step", "cause")
     why = {"step": "the error line names the step whose loss was not finite",
            "cause": "the ranks all ran to that step together: no rank froze, died or lagged; what made the loss "
@@ -237,6 +242,7 @@ class NonfiniteLoss(Drill):
 class UnsharedFolder(Drill):
     """Three "nodes" of one rank each (three torchrun --nnodes 3 invocations); one is given an
     output folder of its own, as a node whose --output_dir is its local /tmp."""
+    summary = "a node writes to a folder that the others cannot see"
     questions = ("node", "cause")
     why = {"node": "the error line names the node that cannot see what rank 0 wrote",
            "cause": "the job stopped before training, with exit status 2 and one error: line: a setting, not a "
@@ -265,6 +271,7 @@ class UnsharedFolder(Drill):
 class PreemptedSave(Drill):
     """SIGTERM or USR2 (Slurm's preemption, its time-limit warning) to one rank while the job writes
     a checkpoint; then the drill resumes the run, as a requeued job does."""
+    summary = "a preemption in the middle of a checkpoint save, then the resume"
     questions = ("step", "cause")
     why = {"step": "the resumed run says which checkpoint it continued from",
            "cause": "the job ended with exit status 0 and a `preempted:` line: a signal asked it to stop"}
@@ -355,8 +362,11 @@ def recorded(folder):
         raise DrillError(f"no drill started in {folder}: run `python workshop/drills.py start ...` first")
     if "facts" not in record:
         raise DrillError(f"the drill in {folder} did not finish: start it again")
-    return DRILLS[record["drill"]](folder, record["seed"], REPO / "demo", record["collective_timeout"],
-                                   record["ranks"], record["facts"])
+    try:
+        return DRILLS[record["drill"]](folder, record["seed"], REPO / "demo", record["collective_timeout"],
+                                       record["ranks"], record["facts"])
+    except KeyError:
+        raise DrillError(f"{folder / 'drill.json'} is not a drill's record that this kit reads: start the drill again")
 
 
 def normalised(question, value):
@@ -428,7 +438,7 @@ def main(argv=None):
     try:
         if args.command == "list":
             for name, drill in DRILLS.items():
-                print(f"{name:16} {drill.__doc__.split(':')[0].split('.')[0].strip()}")
+                print(f"{name:16} {drill.summary}")
             return 0
         if args.command == "start":
             start(args)
