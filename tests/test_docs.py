@@ -98,15 +98,20 @@ def anchors(page):
     return ids
 
 
-def links(page):
-    prose, _ = prose_and_code((REPO / page).read_text())
+def read(page, text=None):
+    """A page's text: `text` where given (a test's own page), else the file's."""
+    return (REPO / page).read_text() if text is None else text
+
+
+def links(page, text=None):
+    prose, _ = prose_and_code(read(page, text))
     prose = INLINE_CODE.sub("code", prose)  # a link's text may be code; a link inside code is none
     return re.findall(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)", prose)
 
 
-def broken_links(page):
+def broken_links(page, text=None):
     broken = []
-    for target in links(page):
+    for target in links(page, text):
         if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # https:, mailto:: not the repository's
             continue
         path, _, anchor = target.partition("#")
@@ -137,6 +142,24 @@ def missing_sections(page):
 def test_every_section_a_page_names_in_words_exists():
     missing = [line for page in pages() for line in missing_sections(page)]
     assert missing == [], "\n".join(missing)
+
+
+def test_each_rule_finds_what_it_is_for():
+    """On a page of this test's own (never written to disk), in the folder workshop/."""
+    page = "workshop/EXAMPLE.md"
+    text = ("[a](../slurm/README.md#when-a-job-hangs) [b](../slurm/README.md#no-such-heading) [c](../nope.md)\n"
+            "`04_fsdp/train.py --cpu_offload` `04_fsdp/train.py --no_such_option` `benchmark/NOPE.md` "
+            "`runs/nobody-writes-this/results.md` [benchmark/GPU.md](../benchmark/README.md) `OUTPUT_DIR/final/`\n"
+            "```bash\ntorchrun --nproc-per-node 2 03_ddp/train.py --max_steps 2 --nope 3  # and --not_this\n```\n")
+    assert broken_links(page, text) == [
+        f"{page}: (../slurm/README.md#no-such-heading): no heading of slurm/README.md has the id #no-such-heading",
+        f"{page}: (../nope.md): no such file or folder in the repository"]
+    assert sorted(unknown_options(page, text)) == [f"{page}: 03_ddp/train.py has no option --nope",
+                                                   f"{page}: 04_fsdp/train.py has no option --no_such_option"]
+    assert missing_paths(page, text) == [
+        f"{page}: `benchmark/GPU.md`: not in the repository", f"{page}: `benchmark/NOPE.md`: not in the repository",
+        f"{page}: `runs/nobody-writes-this/results.md`: no command on this page or in the kit writes "
+        "runs/nobody-writes-this"]
 
 
 def test_slugs_follow_githubs_rules():
@@ -198,10 +221,10 @@ def script_of(token, page):
     return None
 
 
-def commands(page):
+def commands(page, text=None):
     """Each command a page shows: the lines of its fenced blocks (continuations joined, comments
     and prompts left out) and its inline code that names a .py script."""
-    prose, blocks = prose_and_code((REPO / page).read_text())
+    prose, blocks = prose_and_code(read(page, text))
     lines = [line for block in blocks for line in block.replace("\\\n", " ").splitlines()]
     lines += [code for code in inline_code(prose) if re.search(r"\.py\b", code)]
     for line in lines:
@@ -212,9 +235,9 @@ def commands(page):
             yield line.split()
 
 
-def unknown_options(page):
+def unknown_options(page, text=None):
     unknown = []
-    for words in commands(page):
+    for words in commands(page, text):
         script = None
         for word in words:
             if word in ("|", "&&", ";", "||", ">", ">>") or word.startswith((">", "2>")):
@@ -267,7 +290,7 @@ def placeholder(path):
 @cache
 def script_sources():
     return "\n".join((REPO / name).read_text(errors="replace") for name in tracked()
-                     if name.endswith((".py", ".sh")))
+                     if name.endswith((".py", ".sh")) and not name.startswith("tests/"))  # the kit's, not its tests'
 
 
 def link_texts(prose):
@@ -275,9 +298,8 @@ def link_texts(prose):
     return [text for text in re.findall(r"\[([^\]`]+)\]\(", prose) if re.fullmatch(r"[\w.\-/]+\.\w+", text)]
 
 
-def missing_paths(page):
-    text = (REPO / page).read_text()
-    prose, blocks = prose_and_code(text)
+def missing_paths(page, text=None):
+    prose, blocks = prose_and_code(read(page, text))
     in_commands = "\n".join(blocks + [code for code in inline_code(prose) if " " in code])
     missing = []
     for code in sorted(set(inline_code(prose) + link_texts(prose))):
