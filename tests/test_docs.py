@@ -8,7 +8,8 @@ Every tracked Markdown file (git ls-files '*.md') is read, and:
   * each file or folder a page names in backticks exists in the repository, or is one a command
     writes (OUTPUTS below, each with its reason);
   * each measured figure that more than one page states (FIGURES below) is the same on every page,
-    and within the budget a configuration file sets for it;
+    and within the budget a configuration file sets for it (the same for a fact such as the folder of
+    the kit's environment);
   * tests/README.md names every test file.
 Each test prints every disagreement it finds, not only the first.
 """
@@ -349,7 +350,8 @@ FIGURES = {
     "the learning run's legal moves (%)": Figure(r"^\| \*\*all\*\* \| 1,000 \| \*\*([\d.]+)%\*\*"),
     "the learning run's seconds": Figure(r"1,000 steps (?:of 16 games, 5\.4M tokens, |in )(\d+) s\b"),
 }
-FIGURE_FILES = ("slurm/gpu_check.sh",)  # a template's comments state figures too
+FIGURES["the kit's environment (the folder install.sh makes)"] = Figure(r"source \"?(\S+?)/bin/activate")
+FIGURE_FILES = tuple(name for name in sorted(tracked()) if name.endswith(".sh"))  # the scripts' comments state them too
 
 
 def sentences(text):
