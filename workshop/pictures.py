@@ -284,6 +284,9 @@ COLOURS = {"parameters": "#4C72B0", "frozen parameters": "#A6BDDB", "gradients":
            "all-reduce": "#C44E52", "all-gather": "#4C72B0", "reduce-scatter (all-to-all)": "#DD8452",
            "reduce-scatter": "#DD8452", "broadcast": "#937860", "all-to-all": "#DA8BC3", "barrier": "#8C8C8C",
            "compute": "#D0D0D0", "communication": "#C44E52", "optimizer": "#55A868"}
+TIMELINE_LABELS = {"compute": "compute (forward, backward, the rest)",
+                   "communication": "communication (collectives, waiting for the other rank included)",
+                   "optimizer": "the optimiser's step"}
 TITLES = {"02_singlegpu": "Step 2: one process holds everything",
           "03_ddp": "Step 3, DDP: every rank holds everything; gradients all-reduced in buckets",
           "04_fsdp": "Step 4, FSDP: every rank holds 1/N; each layer gathered, then its gradients reduce-scattered",
@@ -340,26 +343,31 @@ def draw_collectives(axes, summary):
         axes.set_title("Collectives of one step", fontsize=18, loc="left")
         return
     rows = sorted({row_label(entry, summary) for entry in collectives}, reverse=True)  # by group, then by kind
-    # The phases as bands behind the collectives, named above them.
-    phases, start = [], 0
-    for index, entry in enumerate(collectives + [{"phase": None}]):
-        if index == len(collectives) or entry["phase"] != collectives[start]["phase"]:
-            phases.append((collectives[start]["phase"], start, index))
-            start = index
-    for number, (phase, first, end) in enumerate(phases):
-        shade = "#F2F2F2" if number % 2 else "#FFFFFF"
-        axes.axvspan(first - 0.5, end - 0.5, color=shade, zorder=0)
-        wide = end - first > 0.06 * len(collectives)
-        axes.text((first + end - 1) / 2, len(rows) - 0.4, phase_label(phase), ha="center", va="bottom",
-                  fontsize=14 if wide else 12, rotation=0 if wide else 90)
+    # The step's phases, in the loop's order, as bands behind their collectives (one empty slot where a
+    # phase has none: DDP's no_sync), named above them.
+    micro_batches = range(1, summary["micro_batches"] + 1)
+    phases = ["step begins", *(f"{part} {number}" for number in micro_batches for part in ("forward", "backward")),
+              "clipping, optimiser step"]
+    slot, positions = 0, []
+    for number, phase in enumerate(phases):
+        members = [entry for entry in collectives if entry["phase"] == phase]
+        first = slot
+        for entry in members:
+            positions.append((slot, entry))
+            slot += 1
+        slot += not members
+        axes.axvspan(first - 0.5, slot - 0.5, color="#F2F2F2" if number % 2 else "#FFFFFF", zorder=0)
+        wide = slot - first > 0.06 * len(collectives)
+        axes.text((first + slot - 1) / 2, len(rows) - 0.4, phase_label(phase) + ("" if members else ": none"),
+                  ha="center", va="bottom", fontsize=14 if wide else 12, rotation=0 if wide else 90)
     largest = max(entry["bytes"] for entry in collectives) or 1
-    for index, entry in enumerate(collectives):
-        height = 0.25 + 0.6 * (entry["bytes"] / largest) ** 0.5  # the box's height grows with its bytes
+    for index, entry in positions:
+        height = 0.15 + 0.7 * entry["bytes"] / largest  # the box's height grows with its bytes
         axes.bar(index, height, bottom=rows.index(row_label(entry, summary)) - height / 2, width=0.8,
                  color=COLOURS.get(entry["op"], "#8C8C8C"), zorder=2)
     axes.set_yticks(range(len(rows)), rows, fontsize=14)
-    axes.set_ylim(-0.6, len(rows) + 1.3)
-    axes.set_xlim(-0.7, len(collectives) - 0.3)
+    axes.set_ylim(-0.6, len(rows) + 1.6)
+    axes.set_xlim(-0.7, slot - 0.3)
     axes.set_xlabel("collectives of one optimiser step on rank 0, in order (box height: bytes)", fontsize=15)
     axes.tick_params(axis="x", labelsize=13)
     axes.set_title("Collectives of one step", fontsize=18, loc="left")
@@ -387,7 +395,7 @@ def draw_step(name, summary, scale, path):
     draw_collectives(collectives, summary)
     figure.suptitle(TITLES[name], fontsize=22, fontweight="bold")
     figure.tight_layout()
-    figure.savefig(path, dpi=80)
+    figure.savefig(path, dpi=80, bbox_inches="tight")
     plt.close(figure)
 
 
@@ -416,7 +424,7 @@ def draw_comparison(summaries, path):
     axes.legend(unique.values(), unique.keys(), fontsize=14, loc="lower right")
     axes.set_title("Model state per rank: parameters, gradients, optimizer state", fontsize=20, fontweight="bold")
     figure.tight_layout()
-    figure.savefig(path, dpi=80)
+    figure.savefig(path, dpi=80, bbox_inches="tight")
     plt.close(figure)
 
 
@@ -428,7 +436,7 @@ def draw_mesh(summary, path):
     per_node = len(groups["tp"][0])  # tp_size: by default the GPUs of one node
     traffic = {kind: sum(entry["bytes"] for entry in summary["collectives (rank 0)"] if entry["group"] == kind)
                for kind in ("tp", "dp")}
-    figure, axes = plt.subplots(figsize=(14, 7.5))
+    figure, axes = plt.subplots(figsize=(13, 7.5))
     position = {}
     for rank in range(summary["ranks"]):
         node, slot = divmod(rank, per_node)
@@ -449,18 +457,18 @@ def draw_mesh(summary, path):
         axes.add_patch(FancyBboxPatch((x - 1.1, y - 0.55), 2.2, 1.1, boxstyle="round,pad=0.05", facecolor="white",
                                       edgecolor="black", linewidth=2, zorder=2))
         axes.text(x, y, f"rank {rank}", ha="center", va="center", fontsize=17, fontweight="bold", zorder=3)
-    axes.text(7, -0.2, f"one step, rank 0 sends into its tp group {megabytes(traffic['tp']):.1f} MB "
+    axes.text(5.6, -0.2, f"one step, rank 0 sends into its tp group {megabytes(traffic['tp']):.1f} MB "
               "(all-reduces of activations: stays inside the node)\n"
               f"and into its dp group {megabytes(traffic['dp']):.1f} MB "
               "(FSDP's all-gathers and reduce-scatters: crosses the network)",
               ha="center", va="top", fontsize=15)
-    axes.set_xlim(0, 14)
+    axes.set_xlim(0, 11.2)
     axes.set_ylim(-1.6, 7)
     axes.set_axis_off()
     axes.set_title("Step 6: 4 ranks as a 2 x 2 mesh (dp, tp), as on 2 nodes of 2 GPUs", fontsize=20,
                    fontweight="bold")
     figure.tight_layout()
-    figure.savefig(path, dpi=80)
+    figure.savefig(path, dpi=80, bbox_inches="tight")
     plt.close(figure)
 
 
@@ -471,7 +479,7 @@ def draw_timeline(lanes, path):
     for row, (rank, intervals) in enumerate(sorted(lanes.items())):
         for start, duration, kind in intervals:
             height = 0.7 if kind == "compute" else 0.5
-            axes.barh(row, duration, left=start, height=height, color=COLOURS[kind], label=kind,
+            axes.barh(row, duration, left=start, height=height, color=COLOURS[kind], label=TIMELINE_LABELS[kind],
                       zorder=1 if kind == "compute" else 2)
     axes.set_yticks(range(len(lanes)), [f"rank {rank}" for rank in sorted(lanes)], fontsize=16)
     axes.invert_yaxis()
@@ -479,11 +487,11 @@ def draw_timeline(lanes, path):
     axes.tick_params(axis="x", labelsize=14)
     handles, labels = axes.get_legend_handles_labels()
     unique = dict(zip(labels, handles))
-    axes.legend(unique.values(), unique.keys(), fontsize=14, loc="upper center", ncol=3,
-                bbox_to_anchor=(0.5, -0.35 if len(lanes) < 3 else -0.2))
+    axes.legend(unique.values(), unique.keys(), fontsize=14, loc="upper center", ncol=2,
+                bbox_to_anchor=(0.5, -0.3))
     axes.set_title("One FSDP step, from --profile_steps: where the time goes", fontsize=20, fontweight="bold")
     figure.tight_layout()
-    figure.savefig(path, dpi=80)
+    figure.savefig(path, dpi=80, bbox_inches="tight")
     plt.close(figure)
 
 
