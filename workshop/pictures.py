@@ -2,15 +2,18 @@
 
     python workshop/pictures.py                 # writes workshop/pictures/*.png and measured.json
 
-Each step (02 to 06) trains 2 optimiser steps on the built-in demo model, as a user runs it (torchrun,
-gloo, CPU ranks: 2, and 4 for step 6's 2-D mesh), and during its second step every rank records
+Each step (02 to 06) trains 3 optimiser steps on the built-in demo model as a user runs it (torchrun,
+gloo, CPU ranks: 2, and 4 for step 6's 2-D mesh), and during the third step every rank records
   * the bytes it holds: parameters, gradients, optimizer state (its own shards where FSDP shards),
-    and the activations the forward pass keeps for backward (one micro-batch's);
+    and the activations that the forward pass keeps for backward (one micro-batch's);
   * the collectives it issues, in order, from PyTorch's Flight Recorder (the C++ log of every
-    collective, common/process_group.py turns it on), split into each micro-batch's forward and backward.
-Step 4's run also profiles its step 2 (--profile_steps), without the recorder: the timeline picture is its trace.
-The step scripts are not changed: this file starts them under its own recorder (`record`, below).
-The figures the pictures are drawn from are in measured.json; tests/test_pictures.py checks them.
+    collective, which common/process_group.py turns on), by phase: each micro-batch's forward and
+    backward, then clipping and the optimiser's step.
+Step 4's run also profiles its step 2 (--profile_steps), where the recorder does not run: the timeline
+picture is that trace. The step scripts are not changed: this file starts each under its own recorder
+(`record`, below), which wraps what the loop calls (MetricsLog, loss_sum, clip_grad_norm_, the
+optimiser's step hook). The figures the pictures are drawn from go to measured.json; on 2 busy cores
+the whole takes a few minutes; tests/test_pictures.py checks the figures.
 """
 import argparse
 import json
