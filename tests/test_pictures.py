@@ -59,13 +59,14 @@ def test_one_process_holds_16_bytes_per_parameter_and_sends_nothing(pictures):
 def test_ddp_holds_everything_and_all_reduces_the_gradients_once_per_step(pictures):
     _, measured = pictures
     assert state(measured, "03_ddp", "0") == state(measured, "03_ddp", "1") == state(measured, "02_singlegpu")
-    gradient_reductions = [entry for entry in collectives(measured, "03_ddp") if entry["bytes"] > 8]
+    gradient_reductions = [entry for entry in collectives(measured, "03_ddp")
+                           if entry["op"] == "all-reduce" and entry["bytes"] > 8]  # not the loss's sum, a scalar
     micro_batches = measured["steps"]["03_ddp"]["micro_batches"]
     assert micro_batches > 1
     # In buckets (more than one), all in the last micro-batch's backward (no_sync before it), the whole gradient.
     assert len(gradient_reductions) > 1
-    assert {entry["op"] for entry in gradient_reductions} == {"all-reduce"}
     assert {entry["phase"] for entry in gradient_reductions} == {f"backward {micro_batches}"}
+    assert not [entry for entry in collectives(measured, "03_ddp") if entry["phase"] == "backward 1"]
     assert sum(entry["bytes"] for entry in gradient_reductions) == measured["steps"]["03_ddp"]["holdings"]["0"][
         "gradients"]
 
@@ -85,7 +86,9 @@ def test_fsdp_holds_a_share_per_rank_and_gathers_then_reduce_scatters_layer_by_l
         assert backward.count("all-gather") == units - 1
         assert backward.count("reduce-scatter (all-to-all)") == units
         assert backward.index("all-gather") < backward.index("reduce-scatter (all-to-all)")
-        assert "all-reduce" not in forward + backward  # no gradient all-reduce: FSDP never holds it whole
+    # No gradient all-reduce (only the loss's and the token count's sums, scalars): FSDP never holds it whole.
+    assert all(entry["bytes"] <= 8 for entry in steps
+               if entry["op"] == "all-reduce" and entry["phase"] != "clipping, optimiser step")
 
 
 def test_lora_trains_only_its_adapters(pictures, config):
@@ -107,9 +110,8 @@ def test_lora_trains_only_its_adapters(pictures, config):
 def test_tp_groups_stay_in_a_node_and_dp_groups_cross_nodes(pictures):
     _, measured = pictures
     tp = measured["steps"]["06_tp"]
-    groups = {tuple(map(tuple, pair)) for pair in tp["groups"]}
-    assert {("tp", (0, 1)), ("tp", (2, 3)), ("dp", (0, 2)), ("dp", (1, 3))} <= {(name, tuple(ranks))
-                                                                                 for name, ranks in groups}
+    groups = {(name, tuple(ranks)) for name, ranks in tp["groups"]}
+    assert {("tp", (0, 1)), ("tp", (2, 3)), ("dp", (0, 2)), ("dp", (1, 3))} <= groups  # tp: a node's ranks
     by_group = {}
     for entry in tp["collectives (rank 0)"]:
         by_group.setdefault(entry["group"], set()).add(entry["op"])
