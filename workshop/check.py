@@ -1,7 +1,7 @@
 """The exercises' checker: it reads your own run folders and says whether your result is the lesson's,
-right or wrong, and why, with the figures it measured. One check per step (workshop/exercises.md):
+right or wrong, and why, with the figures it measured. One check per step (workshop/README.md):
 
-    python workshop/check.py accumulation runs/acc1 runs/acc4   step 2: more micro-batches, the same steps
+    python workshop/check.py accumulation runs/acc1 runs/single step 2: more micro-batches, the same steps
     python workshop/check.py same-loss runs/single runs/ddp     step 3 (and 4, 6): the same steps on N ranks
     python workshop/check.py fsdp-shards runs/ddp runs/fsdp     step 4: a rank keeps 1/N of DDP's state
     python workshop/check.py lora-adapters runs/fsdp runs/lora  step 5: LoRA trains and saves a small part
@@ -10,7 +10,7 @@ right or wrong, and why, with the figures it measured. One check per step (works
 It prints one line that starts with `right:` (exit status 0) or `wrong:` (1). A folder that is not a
 finished run of the kind the check needs gets one `error:` line (2). It reads only what every run writes
 (common/run_dir.py): run.json, metrics.jsonl, summary.json, the newest checkpoint and final/; it never
-writes. Imports nothing heavy: it answers at once, on a laptop or a login node.
+writes. It needs no GPU: it answers in seconds, on a laptop or a login node.
 """
 import argparse
 import json
@@ -26,9 +26,18 @@ from common.run_dir import RunDir
 # 150 steps at the default learning rate (the front page's demo table); a learning rate 10 times
 # larger differs by more than 1e-1 at step 2 (tests/test_workshop_check.py).
 LOSS_TOLERANCE = 5e-3
-# A FULL_SHARD rank saves 1/N of DDP's state, plus a little (its part of the checkpoint's index): a
-# rank's file may exceed 1/N of DDP's by this factor; NO_SHARD's rank 0 saves all of it.
+# A FULL_SHARD rank keeps 1/N of DDP's state, a little more where a tensor's rows do not divide by N
+# (and DDP's file holds a few bytes besides the tensors); NO_SHARD's ranks keep all of it.
 SHARD_SLACK = 1.15
+
+
+def parsed(line):
+    """One metrics.jsonl line, or None for a line that a killed write cut short (a resumed run has them)."""
+    try:
+        step = json.loads(line)
+    except ValueError:
+        return None
+    return step if isinstance(step, dict) and "step" in step and "loss" in step else None
 
 
 class Run:
@@ -42,7 +51,7 @@ class Run:
             raise UserError(f"{path}: not a finished run (no summary.json); let its training end, or run it again")
         self.summary = json.loads(self.dir.summary.read_text())
         self.settings = json.loads(self.dir.run_file.read_text()) if self.dir.run_file.is_file() else {}
-        self.steps = [json.loads(line) for line in self.dir.metrics.read_text().splitlines() if line.strip()]
+        self.steps = [step for step in map(parsed, self.dir.metrics.read_text().splitlines()) if step]
         self.step = self.summary.get("run", "?")  # 02_singlegpu, 03_ddp, ...
         self.ranks = self.summary.get("world_size", 1)
         self.name = str(path)
@@ -54,17 +63,32 @@ class Run:
             raise UserError(f"{self.name}: no complete checkpoint; a run saves one at its end: let it finish")
         return Path(latest)
 
-    def rank_files(self):
-        """{rank: bytes that rank wrote} in the newest checkpoint: a sharded checkpoint's __R_0.distcp
-        files, or a whole one's state.pt (rank 0 alone writes it)."""
+    def saved_bytes(self):
+        """The bytes of the newest checkpoint's files: a whole one's state.pt, or a sharded one's
+        .distcp files, all ranks together."""
         folder = self.checkpoint()
-        shards = {int(f.name[2:].split("_")[0]): f.stat().st_size for f in folder.glob("__*_0.distcp")}
-        if shards:
-            return shards
-        whole = folder / "state.pt"
-        if whole.is_file():
-            return {0: whole.stat().st_size}
-        raise UserError(f"{self.name}: its checkpoint {folder.name} holds neither state.pt nor .distcp files")
+        files = [folder / "state.pt"] if (folder / "state.pt").is_file() else list(folder.glob("*.distcp"))
+        if not files:
+            raise UserError(f"{self.name}: its checkpoint {folder.name} holds neither state.pt nor .distcp files")
+        return sum(f.stat().st_size for f in files)
+
+    def kept_per_rank(self):
+        """The bytes of tensors one rank keeps, at most, from a sharded checkpoint's index (.metadata):
+        each tensor is saved as the parts the ranks hold, and its largest part is what one rank keeps.
+        File sizes would not tell: DCP writes a tensor that several ranks hold whole (NO_SHARD) once,
+        from whichever rank has written least so far."""
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        from common.safe_dcp import SafeReader  # reads the index without letting it run code
+        folder = self.checkpoint()
+        if not (folder / ".metadata").is_file():
+            raise UserError(f"{self.name}: a whole checkpoint, not one shard per rank; give an FSDP run (04_fsdp) "
+                            f"on 2 or more ranks second")
+        kept = 0
+        for tensor in SafeReader(str(folder)).read_metadata().state_dict_metadata.values():
+            if isinstance(tensor, TensorStorageMetadata) and tensor.chunks:
+                kept += max(chunk.sizes.numel() for chunk in tensor.chunks) * tensor.properties.dtype.itemsize
+        return kept
 
 
 def same_data(a, b):
@@ -137,22 +161,22 @@ def check_accumulation(few, many, tolerance):
 
 
 def check_fsdp_shards(ddp, fsdp):
-    """Step 4: each FULL_SHARD rank saves 1/N of what a DDP rank holds (weights and AdamW state)."""
+    """Step 4: each FULL_SHARD rank keeps 1/N of what a DDP rank holds (weights and AdamW state)."""
     a, b = Run(ddp), Run(fsdp)
     same_data(a, b)
-    whole, shards = a.rank_files(), b.rank_files()
-    if len(whole) != 1:
-        raise UserError(f"{a.name}: a sharded checkpoint ({len(whole)} rank files); give a DDP run first")
-    if len(shards) < 2:
-        raise UserError(f"{b.name}: a whole checkpoint, not one shard per rank; give an FSDP run (04_fsdp) "
-                        f"on 2 or more ranks second")
-    ddp_bytes, ranks = whole[0], len(shards)
-    shares = [shards[rank] / ddp_bytes for rank in sorted(shards)]
-    figures = (f"per rank {', '.join(f'{share:.3f}' for share in shares)} of DDP's {ddp_bytes / 2**20:.2f} MiB "
-               f"(weights and AdamW state, as saved), 1/N = {1 / ranks:.3f}")
-    if max(shares) <= SHARD_SLACK / ranks:
+    if (a.checkpoint() / ".metadata").is_file():
+        raise UserError(f"{a.name}: a sharded checkpoint; give a DDP run (03_ddp) first")
+    ddp_bytes = a.saved_bytes()
+    kept = b.kept_per_rank()
+    ranks = b.ranks
+    if ranks < 2:
+        raise UserError(f"{b.name} ran on 1 process: give an FSDP run on 2 or more ranks second")
+    share = kept / ddp_bytes
+    figures = (f"a rank keeps {kept / 2**20:.2f} MiB of the {ddp_bytes / 2**20:.2f} MiB that DDP saves (weights "
+               f"and AdamW state): {share:.3f}, and 1/N = {1 / ranks:.3f} on {ranks} ranks")
+    if share <= SHARD_SLACK / ranks:
         return verdict(True, f"your FSDP run's per-rank state is 1/{ranks} of DDP's: {figures}")
-    return verdict(False, f"your FSDP run's per-rank state is not 1/{ranks} of DDP's: {figures}; one rank "
+    return verdict(False, f"your FSDP run's per-rank state is not 1/{ranks} of DDP's: {figures}; each rank "
                           f"keeps it all (--sharding_strategy NO_SHARD is DDP inside FSDP): use FULL_SHARD")
 
 
@@ -180,7 +204,7 @@ def check_lora_adapters(full, lora):
     if not model.is_file():
         raise UserError(f"{a.name}: no final/model.safetensors; give a full fine-tune (step 2, 3 or 4) first")
     trained, whole = tensor_elements(adapters), tensor_elements(model)
-    saved_full, saved_lora = sum(a.rank_files().values()), sum(b.rank_files().values())
+    saved_full, saved_lora = a.saved_bytes(), b.saved_bytes()
     figures = (f"{trained:,} adapter numbers against the model's {whole:,} ({trained / whole:.1%}); its checkpoint "
                f"{saved_lora / 2**20:.2f} MiB against the full fine-tune's {saved_full / 2**20:.2f} MiB "
                f"({saved_lora / saved_full:.1%})")
