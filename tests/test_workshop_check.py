@@ -78,3 +78,28 @@ def test_runs_of_the_wrong_kind_are_refused(runs):
                        (("accumulation", runs["single"], runs["ddp"]), "one process each")):
         status, output = check(*args)
         assert status == 2 and output.startswith("error: ") and says in output, (args, output)
+
+
+STEP_READMES = ["02_singlegpu", "03_ddp", "04_fsdp", "05_lora", "06_tp"]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("step", STEP_READMES)
+def test_each_steps_questions_are_exercises_with_the_answers_folded(step):
+    """The reader predicts before reading the answer: every measured answer of a step's Questions sits in a
+    collapsed <details> block, and at least one exercise is checked by workshop/check.py on the reader's runs."""
+    questions = (REPO / step / "README.md").read_text().split("\n## Questions\n", 1)[1]
+    folded = False
+    for line in questions.splitlines():
+        folded = True if line.startswith("<details>") else False if line.startswith("</details>") else folded
+        if line.startswith(("*Measured*", "*Estimated*")):
+            assert folded, f"{step}/README.md: a measured answer in the reading path: {line[:80]}"
+    assert "\npython workshop/check.py " in questions, f"{step}/README.md: no exercise checked by workshop/check.py"
+
+
+@pytest.mark.quick
+def test_the_front_page_reaches_the_workshop_in_one_link_each():
+    front_page = (REPO / "README.md").read_text()
+    for target in ("workshop/README.md", "workshop/README.md#exercises", "workshop/DRILLS.md", "workshop/slides.md"):
+        assert f"]({target})" in front_page, target
+    assert "\n## Exercises\n" in (REPO / "workshop/README.md").read_text()
