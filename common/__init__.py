@@ -1,4 +1,4 @@
-"""What the training steps (02_singlegpu to 05_lora) share, one idea per module: data, chess
+"""What the training steps (02_singlegpu to 06_tp) share, one idea per module: data, chess
 notation and evaluation, arguments, checkpoints, metrics, the run directory.
 
 Everything that teaches parallelism stays in the step scripts themselves. Launching lives in

@@ -75,6 +75,11 @@ SKIPPED = {
                                                               "runs it with --steps 1)",
     r"^python benchmark/sweep\.py --slurm (?!.*--dry-run)": "submits a job array: needs Slurm",
     r"^python benchmark/sweep\.py --collect ": "needs a finished sweep on Slurm (tests/test_sweep.py collects one)",
+    r"^python workshop/check\.py ": "reads the runs of the exercise's training commands "
+                                    "(tests/test_workshop_check.py runs every check on real runs)",
+    r"^python tools/check_plan\.py --model benchmark/codellama-7b-config\.json ": "the plan check of the whole 7B "
+                                                                                  "shape: a minute on 2 cores (tests/"
+                                                                                  "test_check_plan.py checks it)",
 }
 
 
