@@ -23,7 +23,7 @@ os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="kit-tests-datasets-")
 # file starts last while the other worker sits idle (that tail cost about 3 minutes).
 SLURM_FILES = ("test_preemption.py", "test_slurm.py")
 LONG_FILES = ("test_faults.py", "test_benchmark.py", "test_resume.py", "test_bad_input.py", "test_fsdp_options.py",
-              "test_drills.py", "test_pictures.py")
+              "test_drills.py", "test_pictures.py", "test_workshop_check.py")
 
 
 def pytest_collection_modifyitems(items):
