@@ -571,18 +571,16 @@ def prepared_rows(data_dir, split, tokenizer, max_seq_length, pack, cache_dir=No
     processes may call this at once (ranks, nodes): one prepares, the others wait for it and then read."""
     kind, files = source_files(data_dir, split)
     cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
-    try:  # a cache that cannot be written (a read-only HF_HOME) is said first, with what to do
-        cache.mkdir(parents=True, exist_ok=True)
-        probe = cache / f".write-test-{socket.gethostname()}-{os.getpid()}"
-        probe.touch()
-        probe.unlink()
-    except OSError as err:
-        raise UserError(f"cannot write the prepared data to {cache} ({err.strerror}): set --prepared_dir (or "
-                        "HF_DATASETS_CACHE) to a folder you can write; the default is under HF_HOME") from None
+    # A cache prepared before (a room's read-only shared HF_HOME) is only read: nothing is written to it.
     try:
         key = cache_key(kind, files, tokenizer, max_seq_length, pack, notation, cache)
         folder = cache / key
         if not (folder / "meta.json").is_file():
+            probe = cache / f".write-test-{socket.gethostname()}-{os.getpid()}"  # said first, with what to do
+            cache.mkdir(parents=True, exist_ok=True)
+            probe.touch()
+            probe.unlink()
+
             def say_who(holder):
                 print(f"waiting for {holder} to prepare the {split} data ({folder})", flush=True)
             with wait_for_lock(cache / f"{key}.lock", on_wait=say_who):
@@ -593,6 +591,9 @@ def prepared_rows(data_dir, split, tokenizer, max_seq_length, pack, cache_dir=No
             raise
         if err.filename and not str(err.filename).startswith(str(cache)):
             raise UserError(f"cannot read {err.filename} ({err.strerror})") from None
+        if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):  # a read-only HF_HOME
+            raise UserError(f"cannot write the prepared data to {cache} ({err.strerror}): set --prepared_dir (or "
+                            "HF_DATASETS_CACHE) to a folder you can write; the default is under HF_HOME") from None
         raise UserError(f"cannot write the prepared data to {cache} ({err.strerror}): free some space there, or "
                         "set --prepared_dir (or HF_DATASETS_CACHE) to another folder") from None
     return TokenRows(folder)
