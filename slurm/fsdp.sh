@@ -2,8 +2,9 @@
 # Step 4 on a Slurm cluster: FSDP, the model sharded over every GPU of every node.
 #
 #   sbatch slurm/fsdp.sh                                   # from the repository root: the demo
-#   MODEL=codellama/CodeLlama-7b-hf DATA_DIR=/scratch/$USER/chess/data sbatch slurm/fsdp.sh --gradient_checkpointing
-#   TOTAL_BATCH_SIZE=32 BATCH_SIZE_PER_DEVICE=2 sbatch --nodes=1 --gpus-per-node=2 slurm/fsdp.sh
+#   MODEL=codellama/CodeLlama-7b-hf DATA_DIR=/scratch/$USER/chess/data BATCH_SIZE_PER_DEVICE=1 \
+#     sbatch --nodes=2 slurm/fsdp.sh --gradient_checkpointing --max_seq_length 4096   # the memory tables' job
+#   TOTAL_BATCH_SIZE=32 BATCH_SIZE_PER_DEVICE=2 sbatch --gpus-per-node=2 slurm/fsdp.sh   # 2 of the node's GPUs
 #
 # Arguments after the script name go to 04_fsdp/train.py (--help lists them). Before training, the
 # plan check (tools/check_plan.py) stops a job that cannot fit in GPU memory: FORCE=1 skips it.
