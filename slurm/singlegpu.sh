@@ -41,9 +41,8 @@ BATCH_SIZE_PER_DEVICE=${BATCH_SIZE_PER_DEVICE:-4}
 GPUS_PER_NODE=${SLURM_GPUS_ON_NODE:-0}
 ((SLURM_NNODES == 1 && GPUS_PER_NODE >= 1)) || { echo "error: step 2 uses one GPU on one node, this job has" \
   "$SLURM_NNODES node(s) × $GPUS_PER_NODE GPU(s): use slurm/ddp.sh or slurm/fsdp.sh" >&2; exit 2; }
-if ((GPUS_PER_NODE > 1)); then  # the site's request is a whole node's GPUs
+if ((GPUS_PER_NODE > 1)); then  # the site's request is a whole node's GPUs; the one process takes cuda:0
   echo "step 2 uses the first of this job's $GPUS_PER_NODE GPUs (sbatch --gpus-per-node=1, or --gres=gpu:1, holds one)"
-  export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES%%,*}
   GPUS_PER_NODE=1
 fi
 (cd / && python -c 'import common') 2>/dev/null || { echo "error: the kit is not installed in the job's" \

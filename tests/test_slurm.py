@@ -58,8 +58,9 @@ def site(slurm_cluster):
 
 
 def check_allocation(cluster, job_id, nodes, partition="gpu"):
-    """Where the job ran and what it held: the site's partition, and each node's 2 GPUs with their CPUs."""
-    (record,) = cluster.accounted(job_id, "Partition", "AllocTRES")
+    """Where the job ran and what it held: the site's partition, and each node's 2 GPUs with their CPUs
+    (the last attempt's: a job that reached its time limit on a loaded machine was requeued)."""
+    record = cluster.accounted(job_id, "Partition", "AllocTRES")[-1]
     assert record["Partition"] == partition, record
     held = record["AllocTRES"].split(",")
     assert f"gres/gpu={2 * nodes}" in held and f"cpu={2 * nodes}" in held, record
