@@ -136,7 +136,7 @@ def check_sbatch_values(args):
     """Values that land in `#SBATCH` lines of the job script. submitit quotes them, but a line
     break would end the `#SBATCH` comment and run the rest as a command."""
     for name in ("job_name", "partition", "account", "qos", "reservation", "constraint", "log_dir"):
-        value = getattr(args, name)
+        value = getattr(args, name, None)  # benchmark/sweep.py's jobs have no qos, reservation, constraint
         if value is not None and not value.isprintable():
             raise UserError(f"--{name} {value!r} contains a line break or another control character: "
                             "use one line of printable characters")
