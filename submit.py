@@ -12,7 +12,9 @@ submit.py prints it first, with the same function. Arguments after `--` go to th
 script; its own parser checks them before anything is queued. For the FSDP steps (fsdp, lora, tp) the
 plan check (tools/check_plan.py) then runs the job's code on fake tensors, in seconds on the
 login node's CPU, and a job that cannot fit in --gpu_memory_gib is refused with what to change.
-Run it on the login node, after the download step (compute nodes are offline).
+Run it on the login node, after the download step (compute nodes are offline). The site's settings
+(slurm/site.sh, see slurm/site.example.sh) give the defaults: partition, account, QoS, reservation,
+constraint, time limit, how GPUs are asked for, and each GPU's share of a node's CPUs and memory.
 """
 import argparse
 import io
@@ -21,6 +23,7 @@ import os
 import re
 import shlex
 import shutil
+import subprocess
 import sys
 from contextlib import contextmanager, redirect_stderr
 from pathlib import Path
@@ -39,31 +42,67 @@ from launch.step_launcher import PREEMPTION_SIGNAL, PREEMPTION_WARNING_S, StepLa
 # Training arguments that submit.py sets itself, from its own options of the same name.
 MANAGED_ARGUMENTS = ("model", "data_dir", "output_dir", "total_batch_size", "batch_size_per_device", "tp_size")
 MAX_REQUEUES_AFTER_TIME_LIMIT = 20
+GPU_REQUESTS = ("gpus-per-node", "gres")
+SITE_LOADER = REPO / "slurm/use_site.sh"  # reads the site's file (slurm/site.sh, or KIT_SITE)
+# sbatch's input variables that would beat the job script's own #SBATCH lines: submit.py writes each
+# of these requests itself (from its options, whose defaults are the site's), so sbatch must not see them.
+SBATCH_VARIABLES_WRITTEN = ("SBATCH_PARTITION", "SBATCH_ACCOUNT", "SBATCH_QOS", "SBATCH_RESERVATION",
+                            "SBATCH_CONSTRAINT", "SBATCH_TIMELIMIT", "SBATCH_GPUS_PER_NODE", "SBATCH_GRES",
+                            "SBATCH_CPUS_PER_GPU", "SBATCH_MEM_PER_GPU", "SBATCH_MEM_PER_NODE")
 
 
-def parse_arguments(argv):
-    """submit.py's own options, and the training arguments after the first `--`."""
+def site_settings():
+    """The site's settings (slurm/use_site.sh reads slurm/site.sh, or KIT_SITE), as the submitting shell
+    has them: SITE_* and the SBATCH_* that sbatch would read; {} where the site has no file."""
+    print_settings = 'for name in "${!SITE_@}" "${!SBATCH_@}" KIT_SITE; do printf "%s=%s\\0" "$name" "${!name}"; done'
+    result = subprocess.run([shutil.which("bash") or "/bin/bash", "-c", f'source "$1" >&2 && {print_settings}',
+                             "use_site", str(SITE_LOADER)], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise UserError(first_line(result.stderr.removeprefix("error: ")))
+    pairs = (item.split("=", 1) for item in result.stdout.split("\0") if "=" in item)
+    return dict(pairs)
+
+
+def parse_arguments(argv, site=None):
+    """submit.py's own options, and the training arguments after the first `--`; the site's settings
+    are the defaults."""
+    site = {} if site is None else site
     own, training_args = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     parser = Parser(description=__doc__.split("\n\n")[0])
     parser.usage = "%(prog)s --step {singlegpu,ddp,fsdp,lora,tp} [options] [-- training arguments]"
     parser.add("step", required=True, choices=sorted(TRAINING_STEPS), help="which step to run")
     parser.add("job_name", help="the job's name in squeue (default: the step)")
-    parser.add("gpus", type=int, default=1, help="GPUs per node")
+    parser.add("gpus", type=int, default=int(site.get("SITE_GPUS_PER_NODE", 1)),
+               help="GPUs per node (default: the site's SITE_GPUS_PER_NODE, else 1)")
     parser.add("nodes", type=int, default=1, help="nodes")
     parser.add("tp_size", type=int, help="--step tp: GPUs of a node that split each layer (default: all of them, "
                "lowered to what the model's heads and MLP divide by, as the training script chooses)")
     parser.add("total_batch_size", type=int, default=64, help="rows per optimiser step, over all GPUs")
     parser.add("batch_size_per_device", type=int, default=4, help="rows per forward pass on each GPU")
-    parser.add("partition", help="Slurm partition (default: the cluster's default)")
-    parser.add("account", help="Slurm account to charge (default: yours)")
-    parser.add("time", default="02:00:00", help="time limit: minutes, HH:MM:SS or D-HH:MM:SS")
-    parser.add("cpus_per_task", type=int, help="CPUs per node, for torchrun and its processes (default: 8 per GPU)")
-    parser.add("mem_gb", type=int, help="memory per node in GB (default: the cluster's default)")
+    parser.add("partition", default=site.get("SBATCH_PARTITION"),
+               help="Slurm partition (default: the site's, else the cluster's default)")
+    parser.add("account", default=site.get("SBATCH_ACCOUNT"), help="Slurm account to charge (default: the site's)")
+    parser.add("qos", default=site.get("SBATCH_QOS"), help="Slurm quality of service (default: the site's)")
+    parser.add("reservation", default=site.get("SBATCH_RESERVATION"),
+               help="Slurm reservation, e.g. a workshop's (default: the site's)")
+    parser.add("constraint", default=site.get("SBATCH_CONSTRAINT"),
+               help="node features the job needs, e.g. 'a100|h100' (default: the site's)")
+    parser.add("gpu_request", default=site.get("SITE_GPU_REQUEST", "gpus-per-node"), choices=GPU_REQUESTS,
+               help="how the site wants GPUs asked for: --gpus-per-node=N or --gres=gpu:N")
+    parser.add("sbatch", action="append", default=[], metavar="OPTION=VALUE",
+               help="any other sbatch option, as #SBATCH --OPTION=VALUE (repeat it), e.g. --sbatch mail-type=END")
+    parser.add("time", default=site.get("SBATCH_TIMELIMIT", "02:00:00"),
+               help="time limit: minutes, HH:MM:SS or D-HH:MM:SS (default: the site's, else 02:00:00)")
+    parser.add("cpus_per_task", type=int,
+               help="CPUs per node, for torchrun and its processes (default: the site's share per GPU, else 8 per GPU)")
+    parser.add("mem_gb", type=int, help="memory per node in GB (default: the site's share per GPU, and at least what "
+               "rank 0 needs to load the model; else the cluster's default)")
     parser.add("model", default=str(REPO / "demo/model"), help="model directory or downloaded Hugging Face id")
     parser.add("data_dir", default=str(REPO / "demo/data"), help="directory with the games (see 01_download)")
     parser.add("output_dir", help="where the run writes; %%j becomes the job id (default: runs/STEP-%%j)")
     parser.add("log_dir", default="logs", help="submitit's logs go to LOG_DIR/JOBID/")
-    parser.add("gpu_memory_gib", type=float, default=80, help="memory of one GPU of the partition, for the plan check")
+    parser.add("gpu_memory_gib", type=float, default=float(site.get("SITE_GPU_MEMORY_GIB", 80)),
+               help="memory of one GPU of the partition, for the plan check (default: the site's, else 80)")
     parser.add("force", action="store_true", help="submit without the plan check (a job it says cannot fit)")
     parser.add("dry_run", action="store_true", help="print the plan and the sbatch script; submit nothing")
     args = parser.parse_args(own)
@@ -96,11 +135,15 @@ def time_limit_minutes(text):
 def check_sbatch_values(args):
     """Values that land in `#SBATCH` lines of the job script. submitit quotes them, but a line
     break would end the `#SBATCH` comment and run the rest as a command."""
-    for name in ("job_name", "partition", "account", "log_dir"):
-        value = getattr(args, name)
+    for name in ("job_name", "partition", "account", "qos", "reservation", "constraint", "log_dir"):
+        value = getattr(args, name, None)  # benchmark/sweep.py's jobs have no qos, reservation, constraint
         if value is not None and not value.isprintable():
             raise UserError(f"--{name} {value!r} contains a line break or another control character: "
                             "use one line of printable characters")
+    for setting in getattr(args, "sbatch", []):  # benchmark/sweep.py's jobs have none
+        if not re.fullmatch(r"[a-z][a-z-]*=\S.*", setting) or not setting.isprintable():
+            raise UserError(f"--sbatch {setting!r}: give one sbatch option as OPTION=VALUE, e.g. "
+                            "--sbatch mail-type=END")
     if "%" in args.log_dir:
         raise UserError(f"--log_dir {args.log_dir!r}: Slurm would expand the % in it (%j, %x, ...); "
                         "choose a directory without %")
@@ -122,6 +165,13 @@ def check_request(args):
     for name in ("cpus_per_task", "mem_gb"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UserError(f"--{name} must be at least 1 (got {getattr(args, name)})")
+    site = getattr(args, "site", {})  # benchmark/sweep.py's jobs have none
+    node = {"gpus": "SITE_GPUS_PER_NODE", "cpus_per_task": "SITE_CPUS_PER_NODE", "mem_gb": "SITE_MEM_GB_PER_NODE"}
+    for name, setting in node.items():
+        if setting in site and getattr(args, name) is not None and getattr(args, name) > int(site[setting]):
+            raise UserError(f"--{name} {getattr(args, name)} is more than a node of this site has: {setting}="
+                            f"{site[setting]} in {site.get('KIT_SITE', 'slurm/site.sh')}"
+                            + (": use more --nodes" if name == "gpus" else ""))
     gpu_memory_gib = getattr(args, "gpu_memory_gib", 80)  # benchmark/sweep.py's jobs have none
     if not (math.isfinite(gpu_memory_gib) and gpu_memory_gib > 0):
         raise UserError(f"--gpu_memory_gib must be a positive number of GiB, the memory of one GPU of the partition "
@@ -179,20 +229,51 @@ def slurm_refusal_is_one_line():
                         "the GPUs asked for against `sinfo` and your site's limits)") from None
 
 
-def make_executor(args, timeout_min, warning_s):
+def site_share(args, setting):
+    """Of a node's SITE_CPUS_PER_NODE or SITE_MEM_GB_PER_NODE, the share of the job's GPUs; None without a site."""
+    site = getattr(args, "site", {})
+    if setting not in site:
+        return None
+    return int(site[setting]) * args.gpus // int(site["SITE_GPUS_PER_NODE"])
+
+
+def memory_request_gb(args, parameters):
+    """--mem_gb, else the GPUs' share of a site's node, raised to what rank 0 needs to load the model
+    (tools/check_plan.py); a node that cannot hold that is refused, naming the setting."""
+    if args.mem_gb is not None:
+        return args.mem_gb
+    share = site_share(args, "SITE_MEM_GB_PER_NODE")
+    if share is None or parameters is None:
+        return share
+    loading = math.ceil(check_plan.loading_host_bytes(parameters) / 1e9)
+    site = args.site
+    if loading > int(site["SITE_MEM_GB_PER_NODE"]):
+        raise UserError(f"rank 0 needs {loading} GB of host memory to load the model, more than a node's "
+                        f"SITE_MEM_GB_PER_NODE={site['SITE_MEM_GB_PER_NODE']} in {site.get('KIT_SITE')}: "
+                        "use nodes with more memory (--partition, --constraint)")
+    return max(share, loading)
+
+
+def make_executor(args, timeout_min, warning_s, mem_gb=None):
     folder = Path(absolute(args.log_dir)) / "%j"
-    cpus_per_task = args.cpus_per_task or 8 * args.gpus
+    cpus_per_task = args.cpus_per_task or site_share(args, "SITE_CPUS_PER_NODE") or 8 * args.gpus
+    mem_gb = args.mem_gb if mem_gb is None else mem_gb
+    gpus = ({"gres": f"gpu:{args.gpus}"} if getattr(args, "gpu_request", "gpus-per-node") == "gres"
+            else {"gpus_per_node": args.gpus})
+    extra = {name: getattr(args, name) for name in ("qos", "reservation", "constraint")
+             if getattr(args, name, None) is not None}
+    extra.update(setting.split("=", 1) for setting in getattr(args, "sbatch", []))
     executor_class = PlanOnlyExecutor if args.dry_run else submitit.SlurmExecutor
     # Requeues after a time limit: each one resumes from a checkpoint, so allow plenty.
     executor = executor_class(folder=folder, max_num_timeout=MAX_REQUEUES_AFTER_TIME_LIMIT)
     executor.update_parameters(
-        job_name=args.job_name or args.step, nodes=args.nodes, ntasks_per_node=1, gpus_per_node=args.gpus,
+        job_name=args.job_name or args.step, nodes=args.nodes, ntasks_per_node=1, **gpus,
         cpus_per_task=cpus_per_task, time=timeout_min, stderr_to_stdout=True,
         # Preemption and time limits: USR2 (submitit's signal) warning_s before the end, to
         # every process of the job; the training saves and stops, StepLauncher.checkpoint
         # requeues (--requeue also lets Slurm requeue it after a node failure).
-        signal_delay_s=warning_s, additional_parameters={"requeue": True},
-        **({"mem": f"{args.mem_gb}GB"} if args.mem_gb is not None else {}),
+        signal_delay_s=warning_s, additional_parameters={"requeue": True, **extra},
+        **({"mem": f"{mem_gb}GB"} if mem_gb is not None else {}),
         **({"partition": args.partition} if args.partition is not None else {}),
         **({"account": args.account} if args.account is not None else {}),
         # Compute nodes have no internet; huggingface_hub and datasets read these at import time.
@@ -206,10 +287,17 @@ def make_executor(args, timeout_min, warning_s):
 
 
 def main(argv):
-    args = parse_arguments(argv)
+    site = site_settings()
+    args = parse_arguments(argv, site)
+    args.site = site
+    for name in SBATCH_VARIABLES_WRITTEN:  # they would beat the job script's lines (see above)
+        os.environ.pop(name, None)
     check_sbatch_values(args)
     check_request(args)
     devices = args.gpus * args.nodes
+    if args.model == str(REPO / "demo/model") and not Path(args.model).is_dir():
+        raise UserError(f"no demo/ in {REPO}: build the demo model and data first, python 01_download/download.py "
+                        "--demo --out demo (or give --model and --data_dir)")
     model = model_path(args.model)
     tp_size = tensor_parallel_size(args, model)
     groups = devices // tp_size  # the devices, or step 6's tensor-parallel groups: they share out the batch
@@ -225,18 +313,21 @@ def main(argv):
     job = check_training_arguments(args.step, training_args)
     if not args.dry_run and shutil.which("sbatch") is None:
         raise UserError("no Slurm here (sbatch not found): run this on the cluster's login node, or add --dry-run")
+    plan = None
     if args.step in ("fsdp", "lora", "tp") and not args.force:
         # On several nodes, unless --sharding_strategy is given: HYBRID_SHARD where it fits, else FULL_SHARD.
         choose = check_plan.chooses_sharding(args.step, args.nodes, training_args)
-        check_plan.check_job(args.step, job, args.gpus, args.nodes, args.gpu_memory_gib, override="--force",
-                             choose_sharding=choose)
+        plan = check_plan.check_job(args.step, job, args.gpus, args.nodes, args.gpu_memory_gib, override="--force",
+                                    choose_sharding=choose)
         if choose:
             training_args += ["--sharding_strategy", job.sharding_strategy]
 
-    executor, cpus_per_task = make_executor(args, timeout_min, warning_s)
+    mem_gb = memory_request_gb(args, plan["parameters"] if plan else None)
+    executor, cpus_per_task = make_executor(args, timeout_min, warning_s, mem_gb)
     launcher = StepLauncher(args.step, args.gpus, cpus_per_task, training_args, warning_s)
+    memory = f"{mem_gb} GB" if mem_gb else "the cluster's default memory"
     print(f"step {args.step}: {args.nodes} node(s) × {args.gpus} GPU(s) = {devices} process(es), {cpus_per_task} CPUs "
-          f"per node, time limit {args.time}")
+          f"and {memory} per node, time limit {args.time}")
     if args.step == "tp":
         print(describe(args.total_batch_size, args.batch_size_per_device, groups, accumulation,
                        devices="data-parallel groups") + f"; tensor parallel over {tp_size} GPUs of each node")

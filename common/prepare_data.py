@@ -571,23 +571,32 @@ def prepared_rows(data_dir, split, tokenizer, max_seq_length, pack, cache_dir=No
     processes may call this at once (ranks, nodes): one prepares, the others wait for it and then read."""
     kind, files = source_files(data_dir, split)
     cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
-    try:  # a cache that cannot be written (a read-only HF_HOME) is said first, with what to do
+    try:  # a cache that cannot be written (a read-only HF_HOME) is said first, with what to do ...
         cache.mkdir(parents=True, exist_ok=True)
         probe = cache / f".write-test-{socket.gethostname()}-{os.getpid()}"
         probe.touch()
         probe.unlink()
+        cannot_write = None
     except OSError as err:
-        raise UserError(f"cannot write the prepared data to {cache} ({err.strerror}): set --prepared_dir (or "
-                        "HF_DATASETS_CACHE) to a folder you can write; the default is under HF_HOME") from None
+        cannot_write = UserError(f"cannot write the prepared data to {cache} ({err.strerror}): set --prepared_dir (or "
+                                 "HF_DATASETS_CACHE) to a folder you can write; the default is under HF_HOME")
+    # ... unless it has everything already: a room's shared cache, prepared before, is only read.
     try:
         key = cache_key(kind, files, tokenizer, max_seq_length, pack, notation, cache)
         folder = cache / key
         if not (folder / "meta.json").is_file():
+            if cannot_write:
+                raise cannot_write
+
             def say_who(holder):
                 print(f"waiting for {holder} to prepare the {split} data ({folder})", flush=True)
             with wait_for_lock(cache / f"{key}.lock", on_wait=say_who):
                 if not (folder / "meta.json").is_file():  # the one we waited for may have done it
                     prepare(kind, files, tokenizer, max_seq_length, pack, notation, folder, num_proc)
+    except UserError:
+        if cannot_write:  # e.g. no lock file for hashing a data file in a read-only cache
+            raise cannot_write from None
+        raise
     except OSError as err:
         if err.errno not in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT):
             raise

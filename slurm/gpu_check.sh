@@ -6,38 +6,33 @@
 #
 #   python 01_download/download.py --demo --out demo       # once, on the login node
 #   sbatch slurm/gpu_check.sh                              # from the repository root
-#   sbatch --gpus-per-node=4 slurm/gpu_check.sh            # nodes with 4 GPUs
+#   sbatch --gpus-per-node=4 slurm/gpu_check.sh            # 4 GPUs, whatever the site's nodes have
 #
 # Arguments after the script name go to benchmark/gpu_check.py (--help lists them). The table is
 # also written to WORK_DIR/gpu_check.md (default runs/gpu_check-JOBID).
 #
-# ---- site setup: edit this block for your cluster ------------------------------------------
 #SBATCH --job-name=gpu_check
 #SBATCH --output=%x-%j.out
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=1
-#SBATCH --gpus-per-node=8          # all the GPUs of one node
-#SBATCH --exclusive                # the whole node: full fine-tuning may offload to its host RAM
-#SBATCH --mem=0                    # all of the node's memory
-#SBATCH --time=00:15:00            # the check stops itself after 8 minutes (--time_limit)
-##SBATCH --partition=gpu           # remove one '#' to use
-##SBATCH --account=my_project
-# Software: by default the job runs in the environment of the shell that ran sbatch (sbatch
-# passes it on). To set it up here instead, uncomment and adapt:
-# module load cuda/12.4
-# source "$HOME/venvs/chess/bin/activate"      # or: conda activate chess-fsdp
-# ---- end of site setup -----------------------------------------------------------------------
+#SBATCH --time=00:15:00            # the check stops itself after 8 minutes (--time_limit 480), then reports
+# The site's settings (slurm/site.sh, loaded by `source slurm/use_site.sh` in the submitting shell)
+# give the partition, account, QoS, reservation, all the GPUs of a node, and their share of the
+# node's CPUs and memory: the whole node, where full fine-tuning may offload to its host RAM.
 
 set -euo pipefail
 [[ -n ${SLURM_JOB_ID:-} ]] || { echo "error: submit this script with sbatch (it needs a Slurm allocation)" >&2; exit 2; }
 cd "$SLURM_SUBMIT_DIR"  # sbatch runs a copy of this file: the kit is where sbatch was run
+# shellcheck source=slurm/use_site.sh
+source slurm/use_site.sh  # the site's modules, environment and HF_HOME (slurm/site.sh), if any
 
 WORK_DIR=${WORK_DIR:-runs/gpu_check-$SLURM_JOB_ID}
 GPUS_PER_NODE=${SLURM_GPUS_ON_NODE:-0}
 ((SLURM_NNODES == 1 && GPUS_PER_NODE > 0)) || { echo "error: the GPU check runs on one node with its GPUs, this" \
-  "job has $SLURM_NNODES node(s) × $GPUS_PER_NODE GPU(s): keep '#SBATCH --nodes=1' and '--gpus-per-node'" >&2; exit 2; }
+  "job has $SLURM_NNODES node(s) × $GPUS_PER_NODE GPU(s): keep '#SBATCH --nodes=1' and set the site's" \
+  "SITE_GPUS_PER_NODE (slurm/site.example.sh), or sbatch --gpus-per-node=N" >&2; exit 2; }
 (cd / && python -c 'import common') 2>/dev/null || { echo "error: the kit is not installed in the job's" \
-  "Python: activate its environment before sbatch (or in the site-setup block)" >&2; exit 2; }
+  "Python: activate its environment before sbatch (or in site_environment of slurm/site.sh)" >&2; exit 2; }
 echo "job $SLURM_JOB_ID: GPU check on $SLURM_JOB_NODELIST, $GPUS_PER_NODE GPU(s); table in $WORK_DIR"
 
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1  # compute nodes are offline: everything is on disk (01_download)

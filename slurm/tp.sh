@@ -9,23 +9,14 @@
 # the GPUs of one node (lowered to what the model's heads and MLP divide by). Before training, the
 # plan check (tools/check_plan.py --step tp) stops a job that cannot fit in GPU memory: FORCE=1 skips it.
 #
-# ---- site setup: edit this block for your cluster ------------------------------------------
 #SBATCH --job-name=tp
 #SBATCH --output=%x-%j.out
-#SBATCH --nodes=2
+#SBATCH --nodes=1                  # the demo; more: sbatch --nodes=2 slurm/tp.sh (tensor parallel inside each node)
 #SBATCH --ntasks-per-node=1        # one torchrun per node; it starts one process per GPU
-#SBATCH --gpus-per-node=4          # one tensor-parallel group per node (NVLink inside it)
-#SBATCH --cpus-per-task=32         # for the whole node: torchrun and all its processes
-#SBATCH --mem=256G                 # per node
-#SBATCH --time=02:00:00
-##SBATCH --partition=gpu           # remove one '#' to use
-##SBATCH --account=my_project
-# Software: by default the job runs in the environment of the shell that ran sbatch (sbatch
-# passes it on). To set it up here instead, uncomment and adapt:
-# module load cuda/12.4
-# source "$HOME/venvs/chess/bin/activate"      # or: conda activate chess-fsdp
-# export HF_HOME=/scratch/$USER/huggingface    # the cache that 01_download filled
-# ---- end of site setup -----------------------------------------------------------------------
+#SBATCH --time=01:00:00            # the site's SITE_TIME, then `sbatch --time=...`, beat it
+# The site's settings (slurm/site.sh, loaded by `source slurm/use_site.sh` in the submitting shell)
+# give the partition, account, QoS, reservation, the GPUs of a node, and each GPU's share of the
+# node's CPUs and memory. `sbatch --gpus-per-node=2 ...` (or --gres=gpu:2) beats them.
 # Preemption and time limits (slurm/preemption.sh): a warning 300 s before the time limit, a
 # checkpoint, and the job requeued under the same id.
 #SBATCH --signal=B:USR2@300
@@ -35,6 +26,8 @@
 set -euo pipefail
 [[ -n ${SLURM_JOB_ID:-} ]] || { echo "error: submit this script with sbatch (it needs a Slurm allocation)" >&2; exit 2; }
 cd "$SLURM_SUBMIT_DIR"  # sbatch runs a copy of this file: the kit is where sbatch was run
+# shellcheck source=slurm/use_site.sh
+source slurm/use_site.sh  # the site's modules, environment and HF_HOME (slurm/site.sh), if any
 
 # The run. Paths are relative to the repository root; set any of these in the shell that runs sbatch.
 MODEL=${MODEL:-demo/model}
@@ -42,14 +35,18 @@ DATA_DIR=${DATA_DIR:-demo/data}
 OUTPUT_DIR=${OUTPUT_DIR:-runs/$SLURM_JOB_NAME-$SLURM_JOB_ID}
 TOTAL_BATCH_SIZE=${TOTAL_BATCH_SIZE:-64}        # rows per optimiser step, the same at any GPU count
 BATCH_SIZE_PER_DEVICE=${BATCH_SIZE_PER_DEVICE:-4}  # rows per forward pass of a tensor-parallel group
+[[ $MODEL != demo/model || -d demo/model ]] || { echo "error: no demo/ in $PWD: build the demo model" \
+  "and data on the login node first, python 01_download/download.py --demo --out demo (or set MODEL and" \
+  "DATA_DIR)" >&2; exit 2; }
 
 # The GPUs come from the allocation (`sbatch --gpus-per-node=2` beats the header). The training
 # script works out the gradient accumulation, TOTAL_BATCH_SIZE / (BATCH_SIZE_PER_DEVICE × GPUs /
 # tp_size): the GPUs of a tensor-parallel group share their rows. It refuses a total that does not divide.
 GPUS_PER_NODE=${SLURM_GPUS_ON_NODE:-0}
-((GPUS_PER_NODE > 0)) || { echo "error: this job has no GPUs: keep '#SBATCH --gpus-per-node=N'" >&2; exit 2; }
+((GPUS_PER_NODE > 0)) || { echo "error: this job has no GPUs: describe the site's" \
+  "GPU nodes once in slurm/site.sh (see slurm/site.example.sh) and \`source slurm/use_site.sh\`, or sbatch --gpus-per-node=N" >&2; exit 2; }
 (cd / && python -c 'import common') 2>/dev/null || { echo "error: the kit is not installed in the job's" \
-  "Python: activate its environment before sbatch (or in the site-setup block)" >&2; exit 2; }
+  "Python: activate its environment before sbatch (or in site_environment of slurm/site.sh)" >&2; exit 2; }
 echo "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $SLURM_NNODES node(s) × $GPUS_PER_NODE GPU(s)" \
   "on $SLURM_JOB_NODELIST; output in $OUTPUT_DIR"
 
@@ -59,9 +56,10 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1  # compute nodes are offline: ever
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 # The node's CPUs, split among its GPUs' processes; at least 1: OpenMP refuses 0 (2 CPUs, 4 GPUs)
 # with a warning, and every process then runs a thread on each of the node's cores.
-CPUS_PER_GPU=$(( ${SLURM_CPUS_PER_TASK:-$GPUS_PER_NODE} / GPUS_PER_NODE ))
+CPUS_PER_GPU=$(( ${SLURM_CPUS_PER_TASK:-${SLURM_CPUS_ON_NODE:-$GPUS_PER_NODE}} / GPUS_PER_NODE ))
 export OMP_NUM_THREADS=$(( CPUS_PER_GPU > 0 ? CPUS_PER_GPU : 1 ))
-export SRUN_CPUS_PER_TASK=${SLURM_CPUS_PER_TASK:-1}  # srun of Slurm 22.05-23.02 does not inherit it
+# srun of Slurm 22.05-23.02 does not pass the job's CPUs on: the node's, to the one task of the node
+export SRUN_CPUS_PER_TASK=${SLURM_CPUS_PER_TASK:-${SLURM_CPUS_ON_NODE:-1}}
 
 # All nodes' processes meet at a rendezvous on the first node, on a port derived from the job id
 # (jobs sharing a node never collide); a requeued job keeps its id, so the restart count makes a

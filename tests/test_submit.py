@@ -20,8 +20,10 @@ pytestmark = pytest.mark.quick
 
 @pytest.fixture
 def no_slurm_env():
-    """Only the virtual environment on PATH: no sbatch, so nothing here can submit a job."""
-    return {**os.environ, "PATH": str(Path(sys.executable).parent)}
+    """Only the virtual environment on PATH: no sbatch, so nothing here can submit a job; and no
+    site settings (a developer's slurm/site.sh or sourced use_site.sh would change the defaults)."""
+    return {**{k: v for k, v in os.environ.items() if not k.startswith(("SBATCH_", "SITE_"))},
+            "PATH": str(Path(sys.executable).parent), "KIT_SITE": "/nonexistent/site.sh"}
 
 
 def run_submit(args, env):
@@ -200,6 +202,7 @@ def test_impossible_requests_are_refused_with_one_line(no_slurm_env, monkeypatch
     """In this process, as `python submit.py` runs main() (one subprocess per case took minutes in all;
     test_submitting_without_slurm_says_where_to_run runs the real command)."""
     monkeypatch.setenv("PATH", no_slurm_env["PATH"])
+    monkeypatch.setenv("KIT_SITE", no_slurm_env["KIT_SITE"])
     monkeypatch.chdir(REPO)
     for dry_run in ([], ["--dry-run"]):
         with pytest.raises(SystemExit) as exit_info:
@@ -257,3 +260,146 @@ def test_templates_give_each_rank_at_least_one_thread(script, cpus, gpus, thread
     result = subprocess.run(["bash", "-c", "\n".join([*lines, 'echo "$OMP_NUM_THREADS"'])], env=env,
                             capture_output=True, text=True, check=True)
     assert result.stdout.strip() == str(threads)
+
+
+# A site shaped unlike the templates' usual node (tests/test_slurm.py runs jobs with the same file):
+# 2 GPUs asked for as GRES, 2 CPUs and 3 GB per node, a GPU partition that is not the default.
+SMALL_SITE = """\
+SITE_PARTITION=gpu
+SITE_QOS=normal
+SITE_RESERVATION=workshop
+SITE_CONSTRAINT='a100|h100'
+SITE_TIME=00:10:00
+SITE_GPUS_PER_NODE=2
+SITE_CPUS_PER_NODE=2
+SITE_MEM_GB_PER_NODE=3
+SITE_GPU_REQUEST=gres
+site_environment() { echo "site environment loaded"; }
+"""
+
+
+@pytest.fixture
+def site_env(no_slurm_env, tmp_path):
+    """The submitting shell's environment with the site file named (KIT_SITE) and nothing sourced yet."""
+    site = tmp_path / "site.sh"
+    site.write_text(SMALL_SITE)
+    return {**no_slurm_env, "KIT_SITE": str(site)}
+
+
+def sourced(env, command='for name in "${!SBATCH_@}"; do echo "$name=${!name}"; done'):
+    """`source slurm/use_site.sh` (the line in a user's ~/.bashrc), then `command`."""
+    return subprocess.run(["/bin/bash", "-c", f"source slurm/use_site.sh && {command}"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=30)
+
+
+def test_the_site_file_becomes_sbatch_input_variables(site_env):
+    """One file for the site: its settings reach sbatch as SBATCH_* variables (which beat a template's
+    #SBATCH lines), CPUs and memory as each GPU's share of the node; a variable the user set is kept."""
+    result = sourced({**site_env, "SBATCH_TIMELIMIT": "00:20:00"})
+    assert result.returncode == 0, result.stderr
+    variables = dict(line.split("=", 1) for line in result.stdout.splitlines())
+    assert variables == {"SBATCH_PARTITION": "gpu", "SBATCH_QOS": "normal", "SBATCH_RESERVATION": "workshop",
+                         "SBATCH_CONSTRAINT": "a100|h100", "SBATCH_TIMELIMIT": "00:20:00", "SBATCH_GRES": "gpu:2",
+                         "SBATCH_CPUS_PER_GPU": "1", "SBATCH_MEM_PER_GPU": "1536M"}
+    # inside a job it also runs the site's environment (modules, activation, HF_HOME)
+    assert "site environment loaded" not in result.stdout
+    assert "site environment loaded" in sourced({**site_env, "SLURM_JOB_ID": "1"}, ":").stdout
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("SITE_GPUS_PER_NODE=0", "SITE_GPUS_PER_NODE=0 must be a whole number of at least 1"),
+    ("SITE_MEM_GB_PER_NODE=256G", "SITE_MEM_GB_PER_NODE=256G must be a whole number of at least 1"),
+    ("SITE_GPU_REQUEST=gpus", "SITE_GPU_REQUEST=gpus must be gpus-per-node (--gpus-per-node=N) or gres"),
+])
+def test_a_wrong_site_setting_is_one_line(site_env, setting, message):
+    Path(site_env["KIT_SITE"]).write_text(SMALL_SITE + setting + "\n")
+    result = sourced(site_env)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith(f"error: {site_env['KIT_SITE']}: {message}"), result.stderr
+
+
+def test_submit_py_asks_for_what_the_site_says(site_env):
+    """submit.py reads the same file: the partition, QoS, reservation, constraint, time, GPUs as GRES and
+    each GPU's share of CPUs and memory, written in its script, and sbatch's own input variables are
+    not left to beat them; its options and --sbatch beat the site."""
+    result = run_submit(["--dry-run", "--step", "ddp", "--sbatch", "mail-type=END"], site_env)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    for line in ["#SBATCH --partition=gpu", "#SBATCH --qos=normal", "#SBATCH --reservation=workshop",
+                 "#SBATCH --constraint='a100|h100'", "#SBATCH --time=10", "#SBATCH --gres=gpu:2",
+                 "#SBATCH --cpus-per-task=2", "#SBATCH --mem=3GB", "#SBATCH --mail-type=END"]:
+        assert line in lines, line
+    assert not any(line.startswith("#SBATCH --gpus-per-node") for line in lines)
+    one_gpu = run_submit(["--dry-run", "--step", "singlegpu", "--gpus", "1", "--qos", "high", "--time", "30"],
+                         site_env).stdout.splitlines()
+    for line in ["#SBATCH --gres=gpu:1", "#SBATCH --cpus-per-task=1", "#SBATCH --mem=1GB", "#SBATCH --qos=high",
+                 "#SBATCH --time=30"]:
+        assert line in one_gpu, line
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--gpus", "4"], "--gpus 4 {more}: SITE_GPUS_PER_NODE=2 in {site}: use more --nodes"),
+    (["--cpus_per_task", "8"], "--cpus_per_task 8 {more}: SITE_CPUS_PER_NODE=2 in {site}"),
+    (["--mem_gb", "64"], "--mem_gb 64 {more}: SITE_MEM_GB_PER_NODE=3 in {site}"),
+    (["--sbatch", "exclusive"], "--sbatch 'exclusive': give one sbatch option as OPTION=VALUE"),
+])
+def test_a_request_the_sites_nodes_cannot_hold_is_refused(site_env, arguments, message):
+    result = run_submit(["--dry-run", "--step", "ddp", *arguments], site_env)
+    assert (result.returncode, result.stdout) == (2, ""), result.stderr
+    message = message.format(more="is more than a node of this site has", site=site_env["KIT_SITE"])
+    assert result.stderr.startswith(f"error: {message}") and result.stderr.count("\n") == 1, result.stderr
+
+
+def test_rank_0_loading_7b_sets_the_memory_request(site_env):
+    """Rank 0 holds the whole fp32 model while loading (1.5 x while reading it): about 40 GB for
+    CodeLlama-7b's 6,738,546,688 parameters. submit.py asks for that much, and a node that cannot
+    hold it is refused, naming the site's setting."""
+    site = {"SITE_GPUS_PER_NODE": "4", "SITE_MEM_GB_PER_NODE": "128", "KIT_SITE": "site.sh"}
+    args = submit.parse_arguments(["--step", "fsdp", "--gpus", "1"], site)
+    args.site = site
+    assert submit.memory_request_gb(args, 6_738_546_688) == 41  # more than one GPU's share, 128 / 4 GB
+    args.site = {**site, "SITE_MEM_GB_PER_NODE": "32"}
+    with pytest.raises(UserError, match="rank 0 needs 41 GB of host memory to load the model, more than a node's "
+                                        "SITE_MEM_GB_PER_NODE=32 in site.sh"):
+        submit.memory_request_gb(args, 6_738_546_688)
+    args.site, args.gpus = site, 4
+    assert submit.memory_request_gb(args, 6_738_546_688) == 128  # the 4 GPUs' share is more
+
+
+def test_template_without_demo_says_how_to_build_it(tmp_path):
+    """A fresh clone has no demo/: the template's job says in one line how to build it, before anything."""
+    shutil.copytree(REPO / "slurm", tmp_path / "slurm")
+    env = {"PATH": os.environ["PATH"], "SLURM_JOB_ID": "7", "SLURM_SUBMIT_DIR": str(tmp_path),
+           "SLURM_JOB_NAME": "fsdp", "KIT_SITE": "/nonexistent/site.sh"}
+    for script in ("singlegpu", "ddp", "fsdp", "lora", "tp"):
+        result = subprocess.run(["bash", str(tmp_path / "slurm" / f"{script}.sh")], cwd=tmp_path, env=env,
+                                capture_output=True, text=True)
+        assert (result.returncode, result.stdout) == (2, ""), result.stderr
+        assert result.stderr == (f"error: no demo/ in {tmp_path}: build the demo model and data on the login node "
+                                 "first, python 01_download/download.py --demo --out demo (or set MODEL and "
+                                 "DATA_DIR)\n"), result.stderr
+
+
+def test_submit_py_without_demo_says_how_to_build_it(no_slurm_env, monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(submit, "REPO", tmp_path)  # a fresh clone: no demo/
+    monkeypatch.setenv("KIT_SITE", no_slurm_env["KIT_SITE"])
+    with pytest.raises(SystemExit) as exit_info:
+        submit.exit_on_user_error(lambda: submit.main(["--dry-run", "--step", "ddp", "--gpus", "2"]))
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (f"error: no demo/ in {tmp_path}: build the demo model and data first, python "
+                                       "01_download/download.py --demo --out demo (or give --model and --data_dir)\n")
+
+
+def test_install_refuses_an_old_python_in_one_line(tmp_path):
+    """RHEL 8's python3 is 3.6: install.sh says so before building anything, and how to choose another."""
+    shutil.copy(REPO / "install.sh", tmp_path)
+    old_python = tmp_path / "python3.6"
+    old_python.write_text('#!/bin/sh\n[ "$1" = -c ] && case "$2" in *platform*) echo 3.6.8;; *) exit 1;; esac\n')
+    old_python.chmod(0o755)
+    result = subprocess.run(["bash", "install.sh"], cwd=tmp_path, env={**os.environ, "PYTHON": str(old_python)},
+                            capture_output=True, text=True, timeout=30)
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == (f"error: the kit needs Python >= 3.10 and {old_python} is 3.6.8: choose another with "
+                             "PYTHON=python3.11 bash install.sh (or after `module load python/3.11`, or a conda "
+                             "environment's python)\n")
+    assert not (tmp_path / ".venv").exists()

@@ -471,7 +471,7 @@ def report(result):
               + (" (in host RAM: --cpu_offload)" if result["cpu_offload"] else ""),
               f"estimate_memory.py's formulas for the same job: peak {size(result['estimate']['peak'])}"
               if result["estimate"] else "estimate_memory.py's formulas do not know this model", "",
-              verdict_line(result)]
+              loading_line(result["parameters"]), verdict_line(result)]
     return "\n".join(lines)
 
 
@@ -512,6 +512,17 @@ def compare_table(args):
     return "\n".join(lines)
 
 
+def loading_host_bytes(parameters):
+    """Host memory of rank 0 while it loads the model for the others (common/sharded_loading.py): the
+    whole model in fp32, about 1.5 x that while it reads the checkpoint (04_fsdp/MEMORY.md)."""
+    return int(1.5 * 4 * parameters)
+
+
+def loading_line(parameters):
+    return (f"host memory: rank 0 holds {size(loading_host_bytes(parameters))} while it loads the model "
+            "(fp32 weights, 1.5 x while reading the checkpoint): a node's memory request needs that much")
+
+
 def check_job(step, args, gpus_per_node, nodes, gpu_memory_gib, override, choose_sharding=False, out=None):
     """The check before a job starts (submit.py, the Slurm templates): one verdict line, or a
     UserError naming the figure and what to change; `override` says how to run it anyway. With
@@ -529,6 +540,7 @@ def check_job(step, args, gpus_per_node, nodes, gpu_memory_gib, override, choose
     if not result["fits"]:
         raise UserError(f"{verdict_line(result)} ({override} runs it anyway)")
     print(f"{verdict_line(result)} ({result['seconds']:.0f} s)", file=out, flush=True)
+    print(loading_line(result["parameters"]), file=out, flush=True)
     return result
 
 

@@ -4,7 +4,8 @@
 # each (character devices as GRES), and real accounting: slurmdbd with its own MariaDB, whose
 # data lives in CLUSTER_DIR/mysql, so `sacct` is the real one. Two partitions make real
 # preemptions possible: `debug` (the default) and `urgent`, whose jobs preempt debug's (requeued,
-# after SIGTERM and a grace time of PREEMPT_GRACE_TIME seconds).
+# after SIGTERM and a grace time of PREEMPT_GRACE_TIME seconds). A third, `gpu`, not the default,
+# is the one a site file names (tests/test_slurm.py: a site shaped unlike the templates).
 #
 #   tests/slurm/local_cluster.sh up      # installs the Debian packages if missing (root)
 #   . /tmp/kit-slurm/env.sh              # SLURM_CONF
@@ -12,7 +13,7 @@
 #
 # Settings (environment): CLUSTER_DIR (default /tmp/kit-slurm), NODES (2), GPUS_PER_NODE (2),
 # SLURMCTLD_PORT (6817), SLURMDBD_PORT (6819), SLURMD_PORT (6818; node i listens on
-# SLURMD_PORT+i-1), PREEMPT_GRACE_TIME (60).
+# SLURMD_PORT+i-1), PREEMPT_GRACE_TIME (60), NODE_MEMORY_MB (4000).
 # Everything runs as root without systemd: munged, mariadbd, slurmdbd, slurmctld, one slurmd
 # per node, each started here and stopped by `down` by its PID. A failed `up` stops what it had
 # started. Exit status 3 means "cannot run here" (not root, packages cannot be installed): the
@@ -26,6 +27,7 @@ SLURMCTLD_PORT=${SLURMCTLD_PORT:-6817}
 SLURMD_PORT=${SLURMD_PORT:-6818}
 SLURMDBD_PORT=${SLURMDBD_PORT:-6819}
 PREEMPT_GRACE_TIME=${PREEMPT_GRACE_TIME:-60}
+NODE_MEMORY_MB=${NODE_MEMORY_MB:-4000}
 DB_DIR=$CLUSTER_DIR/mysql
 DB_SOCKET=$DB_DIR/mysqld.sock
 # Small and quiet: a throw-away database of a few test jobs. slurmdbd logs that it would like a
@@ -180,9 +182,11 @@ remove_host_names() {
 write_config() {
   local node port=$SLURMD_PORT cpus mem_mb node_lines=""
   cpus=$(nproc)
-  # Each fake node gets three quarters of the memory divided by the node count; only
-  # scheduling uses it (no cgroups enforce it).
+  # Small nodes, shaped unlike the templates' usual GPU node: NODE_MEMORY_MB each (default 4 GB,
+  # at most three quarters of the machine's memory divided by the node count); only scheduling
+  # uses it (no cgroups enforce it).
   mem_mb=$(($(awk '/MemTotal/ {print int($2 / 1024)}' /proc/meminfo) * 3 / 4 / NODES))
+  mem_mb=$((mem_mb < NODE_MEMORY_MB ? mem_mb : NODE_MEMORY_MB))
   for node in $(node_names); do
     node_lines+="NodeName=$node NodeHostname=localhost NodeAddr=127.0.0.1 Port=$port CPUs=$cpus"
     node_lines+=" RealMemory=$mem_mb Gres=gpu:$GPUS_PER_NODE State=UNKNOWN"$'\n'
@@ -244,6 +248,7 @@ PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
 ${node_lines}PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=$PREEMPT_GRACE_TIME
 PartitionName=urgent Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
+PartitionName=gpu Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=$PREEMPT_GRACE_TIME
 CONF
 }
 
