@@ -16,12 +16,13 @@ def make_optimizer(model, args, foreach=None, newton_schulz_dtype=None):
     """AdamW over the trainable parameters only (with LoRA: the adapters, not the frozen model);
     with --optimizer muon, Muon for the trainable matrices between hidden states (the decoder's
     weight matrices; with LoRA its adapters A and B) and AdamW for the rest.
-    Parameters on the CPU (a CPU run, or FSDP's CPU offload) get AdamW's fused kernel, the Hugging
-    Face Trainer's default: PyTorch's own CPU default updates one tensor at a time, about 5 times
-    slower (benchmark/NOTES.md). On a GPU, foreach=None is PyTorch's choice (multi-tensor), whose
-    temporary the plan check measures; it passes foreach itself, and Newton-Schulz's dtype on a GPU."""
+    AdamW runs its fused kernel, on the CPU (a CPU run, or FSDP's CPU offload) and on GPUs: on the
+    CPU the Hugging Face Trainer's default, PyTorch's own CPU default updating one tensor at a time,
+    about 5 times slower (benchmark/NOTES.md); on a GPU one kernel for all the tensors, without the
+    multi-tensor (foreach) version's temporary copy of exp_avg_sq. The plan check passes foreach=False
+    (one tensor at a time, which fake tensors count exactly), and Newton-Schulz's dtype on a GPU."""
     trainable = [param for param in model.parameters() if param.requires_grad]
-    fused = True if foreach is None and all(param.device.type == "cpu" for param in trainable) else None
+    fused = True if foreach is None else None
     if args.optimizer == "adamw":
         return adamw(trainable, args, foreach, fused)
     # Muon is for the matrices between hidden states; the embedding and the output head map tokens
