@@ -563,8 +563,8 @@ def report(shape, source, args):
     where = "host RAM" if args.cpu_offload else "fp32"
     share = f"1/{est['shard_degree']}" + (f" of a 1/{tp} tensor-parallel part" if tp > 1 else "")
     layers = f"{shape.num_layers} decoder layers, {'' if args.gradient_checkpointing else 'not '}checkpointed"
-    if args.gradient_checkpointing == "selective":
-        layers += " (selective: their matmul and attention outputs kept)"
+    if args.gradient_checkpointing == "selective":  # their matmul and attention outputs kept
+        layers = layers.replace("checkpointed", "selectively checkpointed")
     keep = args.accumulate_unsharded and accumulation > 1
     gathered = "the whole model" if args.sharding_strategy == "SHARD_GRAD_OP" or keep else "root + 2 decoder layers"
     frozen = " (frozen: 4-bit linear layers)" if args.qlora else " (frozen)" if args.lora else ""
