@@ -80,12 +80,11 @@ def test_plan_check_and_estimate_agree(small_config, per_node, nodes, strategy, 
 
 @pytest.mark.quick
 def test_peak_moment_and_parts(small_config):
-    """One rank holds everything; AdamW's step, fused on a GPU, adds no copy of its state (the check
-    runs it one tensor at a time: one tensor's temporaries). With --cpu_offload the state is in host
-    RAM and off the GPU's figure."""
+    """One rank holds everything; AdamW's step, fused as on a GPU, adds no copy of its state. With
+    --cpu_offload the state is in host RAM and off the GPU's figure."""
     result = run_plan(plan_options(small_config, "--gpus_per_node", 1, "--gradient_checkpointing"))
     state, at_peak = result["state"], result["at_peak"]
-    assert result["phases"]["step 2, optimizer step"]["optimizer_temporaries"] < state["optimizer"] / 20
+    assert result["phases"]["step 2, optimizer step"]["optimizer_temporaries"] < state["optimizer"] / 100
     assert result["peak"] == sum(at_peak.values())
     assert state["parameters"] == state["gradients"] == state["optimizer"] // 2 == 4 * result["parameters"]
     offloaded = run_plan(plan_options(small_config, "--gpus_per_node", 1, "--gradient_checkpointing",

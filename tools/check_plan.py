@@ -31,8 +31,8 @@ What counts is the second step:
     --accumulate_unsharded's switches). Those after the second repeat its memory exactly, so only
     the first, the second and the last run.
   * AdamW on a GPU is fused (common/optim.py): one kernel that updates every tensor in place, with
-    no temporary copy. Fake tensors cannot run the fused kernel, so the check runs AdamW one tensor
-    at a time, whose temporaries are one tensor's. With --cpu_offload the step runs on the CPU.
+    no temporary copy. The check runs it fused too (fake tensors run its kernel). With --cpu_offload
+    the step runs on the CPU, fused as there.
   * no attention mask: rows are packed, and Hugging Face, given a mask of ones, uses none.
 The peak is rank 0's (it holds the largest shards when a dimension does not divide evenly).
 
@@ -179,9 +179,8 @@ def build(args, step, mesh, config, fake_mode, accumulation):
     with fake_mode:
         if not getattr(args, "qlora", False):  # QLoRA's units have their (fake) storage already
             model.to_empty(device="cpu")
-        # One tensor at a time, which fake tensors count exactly (on a GPU the fused step has no temporary).
-        # Muon's Newton-Schulz in bf16, as on a GPU.
-        optimizer = make_optimizer(model, args, foreach=False, newton_schulz_dtype=torch.bfloat16)
+        # AdamW fused, Muon's Newton-Schulz in bf16, as on a GPU.
+        optimizer = make_optimizer(model, args, newton_schulz_dtype=torch.bfloat16)
     return model, optimizer
 
 
@@ -376,8 +375,7 @@ def verdict_line(result):
 
 def summarise(phase_peaks, state, offloaded):
     """The peak over step 2's phases, what made it up, and each phase's peak and its parts. The
-    optimizer step's temporaries are those the fake run measured: one tensor's of AdamW (fused on a
-    GPU: none), or Muon's buckets."""
+    optimizer step's temporaries are those the fake run measured: Muon's buckets (fused AdamW has none)."""
     def parts(phase, gpu, snapshot):
         on_gpu = {"total": gpu, **{name: snapshot.get(key, 0) for key, name in CATEGORIES.items()
                                    if not (offloaded and key in OFFLOADED)}}
