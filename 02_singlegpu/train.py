@@ -25,11 +25,12 @@ from common.device import pick_device
 from common.errors import exit_on_user_error
 from common.hang import Watchdog
 from common.metrics import MetricsLog
-from common.model import enable_gradient_checkpointing, load_model, load_model_files
+from common.model import load_model, load_model_files
 from common.optim import make_optimizer, make_scheduler
 from common.output_dir import OutputDir, run_settings
 from common.profiling import StepProfiler
 from common.signals import StopFlag
+from common.speed import prepare_layers
 
 
 def parse_arguments(argv=None):
@@ -46,7 +47,7 @@ def train_step(model, optimizer, micro_batches, args, device, autocast):
     step_loss = torch.zeros((), device=device)
     for batch in micro_batches:
         with autocast:
-            loss = loss_sum(model, batch)
+            loss = loss_sum(model, batch, args.loss_chunk_size)
         (loss / step_tokens).backward()
         step_loss += loss.detach()
 
@@ -70,8 +71,7 @@ def main():
     # (bf16 has fp32's range, so no GradScaler is needed).
     config, tokenizer, notation = load_model_files(args)  # and how the games are written: common/notation.py
     model = load_model(args.model, args.trust_remote_code, config=config).to(device)
-    if args.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
+    prepare_layers(model, args)  # --gradient_checkpointing, --compile: common/speed.py
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
 
     optimizer = make_optimizer(model, args)

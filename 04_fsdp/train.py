@@ -30,13 +30,14 @@ from common.device import pick_device
 from common.errors import UserError, exit_on_user_error
 from common.hang import Watchdog
 from common.metrics import MetricsLog
-from common.model import enable_gradient_checkpointing, load_model_files
+from common.model import load_model_files
 from common.optim import make_optimizer, make_scheduler
 from common.output_dir import OutputDir, run_settings
 from common.profiling import StepProfiler
 from common.process_group import init_process_group
 from common.sharded_loading import load_sharded_model
 from common.signals import StopFlag
+from common.speed import prepare_layers
 
 # The sharding strategies users know from FSDP1 (and DeepSpeed), expressed in FSDP2:
 #   FULL_SHARD    (ZeRO-3) shard over all ranks; free each layer's gathered weights after its
@@ -117,7 +118,7 @@ def train_step(model, optimizer, micro_batches, args, device, autocast):
             model.set_requires_gradient_sync(last)
             model.set_reshard_after_backward(last)
         with autocast:
-            loss = loss_sum(model, batch)
+            loss = loss_sum(model, batch, args.loss_chunk_size)
         # FSDP averages gradients over ranks; × world_size turns that average into the sum.
         (loss * dist.get_world_size() / step_tokens).backward()
         step_loss += loss.detach()
@@ -156,8 +157,7 @@ def main():
     mp_policy = MixedPrecisionPolicy(param_dtype=PRECISIONS[precision], reduce_dtype=torch.float32)
 
     def prepare_model(model):  # before sharding, so that FSDP's hooks stay outside the recomputation
-        if args.gradient_checkpointing:
-            enable_gradient_checkpointing(model)
+        prepare_layers(model, args)  # --gradient_checkpointing, --compile: common/speed.py
         return model
     model = load_sharded_model(args.model, config, rank, device, prepare=prepare_model,
                                shard=lambda model: shard_model(model, mesh, args.sharding_strategy, mp_policy, offload),

@@ -33,14 +33,15 @@ from common.device import pick_device
 from common.errors import UserError, exit_on_user_error
 from common.hang import Watchdog
 from common.metrics import MetricsLog
-from common.model import enable_gradient_checkpointing, load_model_files
+from common.model import load_model_files
 from common.optim import make_optimizer, make_scheduler
 from common.output_dir import OutputDir, run_settings
 from common.profiling import StepProfiler
 from common.process_group import init_process_group
 from common.sharded_loading import load_sharded_model
 from common.signals import StopFlag
-from common.tensor_parallel import check_optimizer, tp_size_for, whole_logits_outside_training
+from common.speed import prepare_layers
+from common.tensor_parallel import check_step_arguments, tp_size_for, whole_logits_outside_training
 
 # FSDP's strategies over the data-parallel dimension, as in step 4 (the mesh's other dimension
 # takes HYBRID_SHARD's place: the node's GPUs split the layers instead of holding replicas):
@@ -130,7 +131,7 @@ def parse_arguments(argv=None):
     args = parser.parse_args(argv)
     if args.tp_size is not None and args.tp_size < 1:
         raise UserError(f"--tp_size must be at least 1 (got {args.tp_size})")
-    check_optimizer(args.optimizer)
+    check_step_arguments(args)
     return args
 
 
@@ -194,8 +195,7 @@ def main():
     mp_policy = MixedPrecisionPolicy(param_dtype=PRECISIONS[precision], reduce_dtype=torch.float32)
 
     def prepare_model(model):  # before sharding, so that FSDP's hooks stay outside the recomputation
-        if args.gradient_checkpointing:
-            enable_gradient_checkpointing(model)
+        prepare_layers(model, args)  # --gradient_checkpointing, --compile: common/speed.py
         return model
     model = load_sharded_model(args.model, config, rank, device, prepare=prepare_model,
                                shard=lambda model: parallelize_and_shard(model, mesh, args.sharding_strategy,

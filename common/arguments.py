@@ -13,6 +13,7 @@ from pathlib import Path
 
 from common.errors import UserError
 from common.notation import NOTATIONS
+from common.speed import RECOMPUTATION
 from common.tracking import parse_report_to
 
 REPO = Path(__file__).resolve().parents[1]
@@ -123,8 +124,15 @@ def training_arguments(description):
                help="processes per rank that make the next batches while it trains (default: 2 on a GPU, 0 on the CPU)")
     parser.add("no_packing", action="store_true",
                help="one game per row with padding, instead of packing games into full rows")
-    parser.add("gradient_checkpointing", action="store_true",
-               help="recompute each decoder layer's activations in backward to save memory")
+    parser.add("gradient_checkpointing", nargs="?", const="full", default=None, choices=RECOMPUTATION,
+               help="recompute each decoder layer's activations in backward to save memory: all of them (full, "
+                    "what the flag alone means), or all but the matmuls' and attention's outputs (selective: "
+                    "more memory, almost no recomputed FLOPs); common/speed.py")
+    parser.add("compile", action="store_true",
+               help="torch.compile each decoder layer for the training steps (a GPU lever; evaluation stays eager)")
+    parser.add("loss_chunk_size", type=at_least(0), default=0,
+               help="compute the loss this many tokens at a time, never the whole batch's fp32 logits at once "
+                    "(0: all at once)")
     parser.add("eval_every", type=int, default=50, help="validation loss every N steps (0: only at the end)")
     parser.add("eval_rows", type=int, default=64, help="validation rows for the validation loss")
     parser.add("eval_games", type=int, default=64, help="game prefixes for the legal-move rate")

@@ -10,6 +10,7 @@ import functools
 
 import numpy as np
 import torch
+import torch.utils.checkpoint
 
 from common.errors import UserError
 from common.prepare_data import prepared_rows
@@ -172,15 +173,43 @@ def count_loss_tokens(batch):
     return (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
 
 
-def loss_sum(model, batch):
-    """Summed next-token cross-entropy over the batch's non-padding tokens.
+def loss_sum(model, batch, chunk_size=0):
+    """Summed next-token cross-entropy over the batch's non-padding tokens; with `chunk_size`
+    (--loss_chunk_size) that many tokens at a time (chunked_loss_sum).
 
     A sum, not a mean: the caller divides by the token count of the whole global batch, so
     every token weighs the same however the batch is split across micro-batches and ranks.
     """
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
     # Shift the labels, not the logits: logits[:, :-1] would copy rows × length × vocabulary values
     # (42 MB per micro-batch at a 20k vocabulary); the last position, which predicts nothing, is ignored.
-    next_tokens = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), next_tokens.flatten(),
-                                             ignore_index=IGNORE_INDEX, reduction="sum")
+    next_tokens = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX).flatten()
+    if chunk_size:
+        return chunked_loss_sum(model, batch, next_tokens, chunk_size)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
+    return cross_entropy_sum(logits.flatten(0, 1), next_tokens)
+
+
+def cross_entropy_sum(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def chunked_loss_sum(model, batch, next_tokens, chunk_size):
+    """loss_sum's sum, `chunk_size` tokens of the batch at a time. The model runs without its output
+    head (lm_head returns the final hidden states); then each chunk's logits are made from them, their
+    loss summed, and dropped: backward makes each chunk's logits again (checkpointing), so no more
+    than one chunk's are ever held (at a 32k vocabulary 128k bytes of fp32 logits per token: 16 GiB
+    for 16 rows of 2,048). lm_head's weight is the one the model's forward used (FSDP keeps the
+    root gathered from forward to backward, and DDP's hooks are on the parameter itself)."""
+    head = getattr(model, "module", model).get_output_embeddings()  # under DDP's wrapper, or peft's
+    head.forward = torch.nn.Identity().forward
+    try:
+        hidden = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits.flatten(0, 1)
+    finally:
+        del head.forward  # the class's forward again
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for first in range(0, len(next_tokens), chunk_size):
+        part = slice(first, first + chunk_size)
+        total = total + torch.utils.checkpoint.checkpoint(
+            lambda hidden, targets: cross_entropy_sum(head(hidden), targets), hidden[part], next_tokens[part],
+            use_reentrant=False)
+    return total

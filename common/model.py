@@ -152,9 +152,3 @@ def load_model(name, trust_remote_code=False, **kwargs):
                                                     **kwargs)
     except (OSError, ValueError, RuntimeError, TypeError, KeyError, SafetensorError) as err:  # missing, or damaged
         raise UserError(model_missing_message(name, err)) from None
-
-
-def enable_gradient_checkpointing(model):
-    """Per decoder layer, non-reentrant; HF keeps its hooks outside the recomputed region."""
-    model.config.use_cache = False
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -12,18 +12,18 @@ NS_COEFFICIENTS, NS_STEPS, NS_EPS = (3.4445, -4.7750, 2.0315), 5, 1e-7
 MUON_BUCKET_ELEMENTS = 2**25
 
 
-def make_optimizer(model, args, foreach=None, newton_schulz_dtype=None):
+def make_optimizer(model, args, newton_schulz_dtype=None):
     """AdamW over the trainable parameters only (with LoRA: the adapters, not the frozen model);
     with --optimizer muon, Muon for the trainable matrices between hidden states (the decoder's
     weight matrices; with LoRA its adapters A and B) and AdamW for the rest.
-    Parameters on the CPU (a CPU run, or FSDP's CPU offload) get AdamW's fused kernel, the Hugging
-    Face Trainer's default: PyTorch's own CPU default updates one tensor at a time, about 5 times
-    slower (benchmark/NOTES.md). On a GPU, foreach=None is PyTorch's choice (multi-tensor), whose
-    temporary the plan check measures; it passes foreach itself, and Newton-Schulz's dtype on a GPU."""
+    AdamW runs its fused kernel, on the CPU (a CPU run, or FSDP's CPU offload) and on GPUs: on the
+    CPU the Hugging Face Trainer's default, PyTorch's own CPU default updating one tensor at a time,
+    about 5 times slower (benchmark/NOTES.md); on a GPU one kernel for all the tensors, without the
+    multi-tensor (foreach) version's temporary copy of exp_avg_sq. The plan check sets Newton-Schulz's
+    dtype on a GPU."""
     trainable = [param for param in model.parameters() if param.requires_grad]
-    fused = True if foreach is None and all(param.device.type == "cpu" for param in trainable) else None
     if args.optimizer == "adamw":
-        return adamw(trainable, args, foreach, fused)
+        return adamw(trainable, args)
     # Muon is for the matrices between hidden states; the embedding and the output head map tokens
     # and are AdamW's, as are the norms' vectors (Muon takes matrices only).
     language_model = getattr(model, "module", model)  # under DDP, the model it wraps
@@ -32,12 +32,12 @@ def make_optimizer(model, args, foreach=None, newton_schulz_dtype=None):
     matrices = [param for param in trainable if id(param) in for_muon]
     others = [param for param in trainable if id(param) not in for_muon]
     return MuonWithAdamW(Muon(matrices, args, newton_schulz_dtype) if matrices else None,
-                         adamw(others, args, foreach, fused) if others else None)
+                         adamw(others, args) if others else None)
 
 
-def adamw(params, args, foreach, fused):
+def adamw(params, args):
     return torch.optim.AdamW(params, lr=args.learning_rate, betas=(0.9, 0.95), weight_decay=args.weight_decay,
-                             foreach=foreach, fused=fused)
+                             fused=True)
 
 
 class MuonWithAdamW(torch.optim.Optimizer):

@@ -87,11 +87,16 @@ def check_model_splits(config, model, trust_remote_code=False):
                         "and so untie: train this model with step 4")
 
 
-def check_optimizer(optimizer):
-    """Step 6 trains with AdamW: common/optim.py's Muon takes matrices cut along one mesh dimension."""
-    if optimizer == "muon":
+def check_step_arguments(args):
+    """Step 6 trains with AdamW: common/optim.py's Muon takes matrices cut along one mesh dimension.
+    Its loss runs on the logits' vocabulary parts (loss_parallel), not chunked over the tokens."""
+    if args.optimizer == "muon":
         raise UserError("--optimizer muon: step 6 cuts each matrix over both dimensions of its mesh, and the kit's "
                         "Muon orthogonalises matrices that FSDP alone cut: train with Muon in step 4, or AdamW here")
+    if args.loss_chunk_size:
+        raise UserError(f"--loss_chunk_size {args.loss_chunk_size}: step 6's logits are already split over each "
+                        "tensor-parallel group by the vocabulary (loss_parallel), each rank holding its part; leave it "
+                        "out here (steps 2 to 5 take it)")
 
 
 def tp_size_for(args, config, world_size, ranks_per_node, on_gpu):

@@ -59,7 +59,11 @@ AGREEMENT = [(2, 1, "FULL_SHARD", ()), (2, 1, "FULL_SHARD", ("--gradient_checkpo
              (4, 1, "SHARD_GRAD_OP", ("--lora", "--total_batch_size", 16, "--accumulate_unsharded")),
              # Muon: its momentum, and its buckets during the step (the peak on one GPU, where AdamW's copy is small)
              (1, 1, "FULL_SHARD", ("--optimizer", "muon")), (4, 1, "FULL_SHARD", ("--optimizer", "muon")),
-             (2, 2, "HYBRID_SHARD", ("--lora", "--optimizer", "muon"))]
+             (2, 2, "HYBRID_SHARD", ("--lora", "--optimizer", "muon")),
+             # the levers of common/speed.py: selective recomputation's kept outputs, one chunk's logits
+             (2, 1, "FULL_SHARD", ("--gradient_checkpointing", "selective")),
+             (2, 1, "FULL_SHARD", ("--loss_chunk_size", 128)),
+             (2, 1, "FULL_SHARD", ("--lora", "--gradient_checkpointing", "selective", "--loss_chunk_size", 128))]
 
 
 @pytest.mark.quick
@@ -76,12 +80,11 @@ def test_plan_check_and_estimate_agree(small_config, per_node, nodes, strategy, 
 
 @pytest.mark.quick
 def test_peak_moment_and_parts(small_config):
-    """One rank holds everything: the foreach AdamW step, with its copy of exp_avg_sq, is the peak.
-    With --cpu_offload the state is in host RAM and off the GPU's figure."""
+    """One rank holds everything; AdamW's step, fused as on a GPU, adds no copy of its state. With
+    --cpu_offload the state is in host RAM and off the GPU's figure."""
     result = run_plan(plan_options(small_config, "--gpus_per_node", 1, "--gradient_checkpointing"))
-    assert result["peak_at"] == "step 2, optimizer step"
     state, at_peak = result["state"], result["at_peak"]
-    assert at_peak["optimizer_temporaries"] == pytest.approx(state["optimizer"] / 2, rel=1e-3)
+    assert result["phases"]["step 2, optimizer step"]["optimizer_temporaries"] < state["optimizer"] / 100
     assert result["peak"] == sum(at_peak.values())
     assert state["parameters"] == state["gradients"] == state["optimizer"] // 2 == 4 * result["parameters"]
     offloaded = run_plan(plan_options(small_config, "--gpus_per_node", 1, "--gradient_checkpointing",
@@ -116,7 +119,11 @@ def test_muons_momentum_and_buckets_are_counted(small_config, extra):
     assert result["state"]["optimizer"] == em.sharded_state_bytes(units, args.gpus_per_node, "muon")["optimizer"]
     assert result["state"]["optimizer"] < em.sharded_state_bytes(units, args.gpus_per_node)["optimizer"]
     measured = result["phases"]["step 2, optimizer step"]["optimizer_temporaries"]
-    assert measured == pytest.approx(result["estimate"]["optimizer_step_temporaries"], rel=0.1)
+    if args.gpus_per_node == 1:  # unsharded, a matrix at a time: the bucket's formula is an upper bound here
+        # (fused AdamW no longer hides it behind the foreach copy; measured 4 c L against c (2O + 3L + 2s^2))
+        assert 0 < measured <= result["estimate"]["optimizer_step_temporaries"]
+    else:
+        assert measured == pytest.approx(result["estimate"]["optimizer_step_temporaries"], rel=0.1)
 
 
 # ---- step 6: tensor parallel x FSDP on a fake (dp, tp) mesh -------------------------------------------

@@ -250,3 +250,29 @@ def test_the_template_refuses_a_job_that_is_not_one_node_with_gpus(environment, 
                           env=sbatch_environment(**environment), cwd=REPO)
     assert (done.returncode, done.stdout) == (2, "") and done.stderr.count("\n") == 1, done.stderr
     assert done.stderr.startswith("error: ") and words in done.stderr
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("on_gpu, step6_losses, result", [
+    (False, [10.4, 10.1], "ok: losses within 9.9e-06 of step4's"),
+    (False, [10.4, 10.2], "FAILED: losses differ from step4's by up to 9.9e-03 (relative; at most 1e-04)"),
+    (True, [10.4, 10.2], "ok: losses within 9.9e-03 of step4's"),  # bf16's rounding
+    (True, [10.4, float("nan")], "FAILED: losses differ from step4's by up to nan (relative; at most 1e-02)"),
+    (False, [10.4], "FAILED: 1 steps on record against step4's 2"),
+])
+def test_step_6_fails_where_its_losses_stray_from_step_4s(on_gpu, step6_losses, result):
+    step6 = row("step 6, tensor parallel", "ok", losses=step6_losses)
+    gpu_check.compare_with_step4(step6, row("step 4", "ok", losses=[10.4, 10.0999]), on_gpu)
+    assert step6["result"] == result
+
+
+@pytest.mark.quick
+def test_a_finished_runs_memory_is_the_largest_over_its_ranks(tmp_path):
+    """Rank 0 writes the steps' records with its own peak; summary.json has every rank's largest."""
+    from common.run_dir import RunDir
+    run = RunDir(tmp_path)
+    run.metrics.write_text("".join(json.dumps({"step": step, "loss": 1.0, "tokens_per_s_per_device": 5.0,
+                                               "peak_gpu_allocated_mib": 1024.0}) + "\n" for step in (1, 2)))
+    assert gpu_check.figures(tmp_path)["peak_allocated_gib"] == 1.0  # stopped early: rank 0's
+    run.summary.write_text(json.dumps({"peak_gpu_allocated_mib_per_rank": 3072.0}))
+    assert gpu_check.figures(tmp_path)["peak_allocated_gib"] == 3.0

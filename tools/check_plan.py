@@ -30,11 +30,9 @@ What counts is the second step:
   * step 2 runs the micro-batches with the step script's own train_step, as the job does (with
     --accumulate_unsharded's switches). Those after the second repeat its memory exactly, so only
     the first, the second and the last run.
-  * AdamW on a GPU is multi-tensor (foreach): during the step it holds a temporary copy of every
-    exp_avg_sq at once. Fake tensors of some PyTorch versions over-count the multi-tensor step
-    (torch 2.11 gave 110 GiB for a full fine-tune that a GPU ran at 69), so the check runs AdamW
-    one tensor at a time, which they count exactly, and puts the multi-tensor step's copy in place
-    of the one tensor's. With --cpu_offload the step runs on the CPU, one tensor at a time, as there.
+  * AdamW on a GPU is fused (common/optim.py): one kernel that updates every tensor in place, with
+    no temporary copy. The check runs it fused too (fake tensors run its kernel). With --cpu_offload
+    the step runs on the CPU, fused as there.
   * no attention mask: rows are packed, and Hugging Face, given a mask of ones, uses none.
 The peak is rank 0's (it holds the largest shards when a dimension does not divide evenly).
 
@@ -70,11 +68,12 @@ from torch.testing._internal.distributed.fake_pg import FakeStore  # registers t
 from common.arguments import Parser, at_least, check_arguments
 from common.batch import gradient_accumulation_steps
 from common.errors import UserError, exit_on_user_error, first_line
-from common.model import build_model, check_max_seq_length, enable_gradient_checkpointing
+from common.model import build_model, check_max_seq_length
 from common.nf4 import quantize_frozen_linears, stored_bytes
 from common.optim import make_optimizer
 from common.sharded_loading import give_storage
-from common.tensor_parallel import check_optimizer, tp_size_for
+from common.speed import prepare_layers
+from common.tensor_parallel import check_step_arguments, tp_size_for
 from launch.steps import check_training_arguments, load_step
 from tools import estimate_memory
 
@@ -143,11 +142,6 @@ def state_bytes(model, optimizer):
                              for name, value in state.items() if name != "step")}
 
 
-def exp_avg_sq_bytes(optimizer):
-    """What multi-tensor AdamW copies during its step: every exp_avg_sq (torch.optim.adam's foreach sqrt)."""
-    return sum(stored_bytes(state["exp_avg_sq"]) for state in optimizer.state.values() if "exp_avg_sq" in state)
-
-
 def build(args, step, mesh, config, fake_mode, accumulation):
     """The model as the step script prepares it, sharded, with fake storage; and its AdamW.
     As common/sharded_loading.py does on every rank: build and prepare the model on the meta
@@ -159,8 +153,7 @@ def build(args, step, mesh, config, fake_mode, accumulation):
         except Exception as err:  # whatever the architecture's code raises: the check cannot run, the job may
             raise PlanUnavailable(f"cannot build {args.model} from its config ({first_line(err)})") \
                 from None
-        if args.gradient_checkpointing:  # before sharding, as in train.py
-            enable_gradient_checkpointing(model)
+        prepare_layers(model, args, compile_layers=False)  # before sharding, as in train.py
         if step == "lora":
             model = module.add_lora(model, args)
     try:
@@ -186,9 +179,8 @@ def build(args, step, mesh, config, fake_mode, accumulation):
     with fake_mode:
         if not getattr(args, "qlora", False):  # QLoRA's units have their (fake) storage already
             model.to_empty(device="cpu")
-        # One tensor at a time, which fake tensors count exactly (summarise adds the multi-tensor step's copy).
-        # Muon's Newton-Schulz in bf16, as on a GPU.
-        optimizer = make_optimizer(model, args, foreach=False, newton_schulz_dtype=torch.bfloat16)
+        # AdamW fused, Muon's Newton-Schulz in bf16, as on a GPU.
+        optimizer = make_optimizer(model, args, newton_schulz_dtype=torch.bfloat16)
     return model, optimizer
 
 
@@ -222,7 +214,6 @@ def run_steps(module, model, optimizer, tracker, args, world_size, accumulation,
     def optimizer_step_ends(*_):
         if measured[0]:  # before train_step's zero_grad: the gradients are still there
             state.update(state_bytes(model, optimizer))
-            copied[0] = exp_avg_sq_bytes(optimizer)
 
     def micro_batch():
         # Packed rows have no padding: given a mask of ones, Hugging Face runs causal attention with
@@ -231,7 +222,7 @@ def run_steps(module, model, optimizer, tracker, args, world_size, accumulation,
         ids = torch.randint(0, vocab_size, (rows, length))
         return {"input_ids": ids, "labels": ids.clone(), "attention_mask": None}
 
-    state, copied = {}, [0]
+    state = {}
     hooks = [model.register_forward_pre_hook(forward_starts, prepend=True),  # before FSDP's own
              model.register_forward_hook(forward_ends),
              optimizer.register_step_pre_hook(optimizer_step_starts),
@@ -247,7 +238,7 @@ def run_steps(module, model, optimizer, tracker, args, world_size, accumulation,
     tracker.phase = None
     for hook in hooks:
         hook.remove()
-    return state, copied[0]
+    return state
 
 
 def plan(args, gpus_per_node, nodes=1, step="fsdp", gpu_memory_gib=None):
@@ -285,9 +276,8 @@ def plan(args, gpus_per_node, nodes=1, step="fsdp", gpu_memory_gib=None):
             tracker = PhaseTracker(model, optimizer, OFFLOADED if args.cpu_offload else ())
             try:
                 with tracker:
-                    state, multi_tensor_copy = run_steps(load_step(step), model, optimizer, tracker, args,
-                                                         world_size, accumulation, config.vocab_size,
-                                                         mesh["dp"] if step == "tp" else nullcontext())
+                    state = run_steps(load_step(step), model, optimizer, tracker, args, world_size, accumulation,
+                                      config.vocab_size, mesh["dp"] if step == "tp" else nullcontext())
             except Exception as err:  # an operation fake tensors cannot run: unchecked, not refused
                 raise PlanUnavailable(f"the model's code failed on fake tensors ({type(err).__name__}: "
                                       f"{first_line(err)})") from None
@@ -298,7 +288,7 @@ def plan(args, gpus_per_node, nodes=1, step="fsdp", gpu_memory_gib=None):
     finally:
         gc.collect()  # FSDP modules sit in reference cycles: free them while the group exists
         dist.destroy_process_group()
-    result = summarise(phase_peaks, state, offloaded=args.cpu_offload, multi_tensor_copy=multi_tensor_copy)
+    result = summarise(phase_peaks, state, offloaded=args.cpu_offload)
     result.update(
         model=source, parameters=parameters, trainable_parameters=trainable, step=step, ranks=world_size,
         gpus_per_node=gpus_per_node, nodes=nodes, sharding_strategy=args.sharding_strategy, tp_size=tp_size,
@@ -383,20 +373,15 @@ def verdict_line(result):
             f"{result['gpu_memory_gib']:g} GiB; {advice}")
 
 
-def summarise(phase_peaks, state, offloaded, multi_tensor_copy=0):
-    """The peak over step 2's phases, what made it up, and each phase's peak and its parts. On the
-    GPU AdamW's step is multi-tensor: its temporaries are `multi_tensor_copy` (every exp_avg_sq) in
-    place of the one-tensor-at-a-time step's, or Muon's buckets that the fake run measured, the larger."""
+def summarise(phase_peaks, state, offloaded):
+    """The peak over step 2's phases, what made it up, and each phase's peak and its parts. The
+    optimizer step's temporaries are those the fake run measured: Muon's buckets (fused AdamW has none)."""
     def parts(phase, gpu, snapshot):
         on_gpu = {"total": gpu, **{name: snapshot.get(key, 0) for key, name in CATEGORIES.items()
                                    if not (offloaded and key in OFFLOADED)}}
         if not offloaded:  # during the step AdamW's temporaries are filed with its state: part them
             on_gpu["optimizer_temporaries"] = max(0, on_gpu["optimizer_state"] - state["optimizer"])
             on_gpu["optimizer_state"] -= on_gpu["optimizer_temporaries"]
-            if phase.endswith("optimizer step"):  # Muon's buckets, then AdamW's copy: one after the other
-                step_temporaries = max(on_gpu["optimizer_temporaries"], multi_tensor_copy)
-                on_gpu["total"] += step_temporaries - on_gpu["optimizer_temporaries"]
-                on_gpu["optimizer_temporaries"] = step_temporaries
         return on_gpu
     phases = {phase: parts(phase, gpu, snapshot) for phase, (gpu, snapshot) in phase_peaks.items()}
     peak_at = max(phases, key=lambda phase: phases[phase]["total"])
@@ -412,8 +397,8 @@ COMPARE_RANKS = [1, 2, 4, 8, 64]
 
 # The options of a plan check that are the step script's own, with the same names and meaning.
 JOB_OPTIONS = ("model", "sharding_strategy", "shard_group_size", "precision", "max_seq_length",
-               "batch_size_per_device", "gradient_checkpointing", "cpu_offload", "accumulate_unsharded",
-               "trust_remote_code", "lora_rank", "lora_target_modules", "optimizer", "tp_size")
+               "batch_size_per_device", "gradient_checkpointing", "loss_chunk_size", "cpu_offload",
+               "accumulate_unsharded", "trust_remote_code", "lora_rank", "lora_target_modules", "optimizer", "tp_size")
 
 
 def step_of(args):
@@ -434,7 +419,7 @@ def training_arguments(args, gpus_per_node, nodes, **changes):
     training.total_batch_size = job["total_batch_size"] or job["batch_size_per_device"] * groups
     check_arguments(training)
     if step_name == "tp":  # the step's own refusal, which its defaults above did not meet
-        check_optimizer(training.optimizer)
+        check_step_arguments(training)
     return training
 
 

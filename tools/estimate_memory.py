@@ -65,22 +65,23 @@ s = sequence length, b = batch size per GPU, V = vocabulary:
                down); each adapter keeps A's output for B (+ c r).
     kept        s x b x layers x per-layer, or with --gradient_checkpointing only each layer's
                 input, s x b x layers x c x h; then one layer's full activations while it is
-                recomputed in backward.
+                recomputed in backward. --gradient_checkpointing selective also keeps each
+                layer's matmul and attention outputs (common/speed.py): + s x b x layers x
+                c x (4h + 2kv + 2i) (q, k, v, attention, o, gate, up, down).
     head        forward: s x b x [(4 + 2c) x h + (c + 4 + 4) x V]: final norm, lm_head input, the
                 logits, their fp32 copy for the loss (none for fp32) and the fp32 log-softmax
                 that cross-entropy keeps; at the start of backward the log-softmax, its gradient
                 and one temporary: s x b x [(4 + 2c) x h + 12 V]. (LoRA: 4 h instead of
-                (4 + 2c) h, the norm and lm_head being frozen.)
+                (4 + 2c) h, the norm and lm_head being frozen.) With --loss_chunk_size n the
+                V terms count n tokens, not s x b: one chunk's logits at a time.
     backward   the gradients of one layer's activations: s x b x c x (2h + 4i) (fitted to what
                PyTorch's FSDPMemTracker measures; the kernels decide the exact figure).
 
-Optimizer step. Multi-tensor (foreach) AdamW, the default on GPU, makes one temporary copy of
-exp_avg_sq: 4 B per sharded trainable parameter.
+Optimizer step. AdamW is fused (common/optim.py): one kernel that updates in place, no temporary.
 
 --optimizer muon: Muon's momentum, 4 B per element of the decoder's trainable matrices (with LoRA
 the adapters), AdamW's 8 B for the rest. During the step Muon holds one bucket of whole matrices
-at a time (muon_step_bytes; on the GPU also with --cpu_offload): the step's temporary is the larger
-of that and AdamW's foreach copy for its own parameters.
+at a time (muon_step_bytes; on the GPU also with --cpu_offload): the step's temporary.
 
 Peak per GPU: the largest of four moments. "State" is the sharded parameters and AdamW state,
 plus the gradients of earlier micro-batches when accumulating (zero_grad(set_to_none) frees the
@@ -93,7 +94,7 @@ last step's):
                         but the last) at the bottom one, + reduce-scatter buffer + the recomputed
                         layer + the backward temporaries. (Going down the layers, activations and,
                         with SHARD_GRAD_OP, gathered layers are freed as sharded gradients come.)
-    optimizer step      sharded parameters, gradients and AdamW state + the foreach temporary
+    optimizer step      sharded parameters, gradients and AdamW state + Muon's bucket
 It fits when
     peak + 3 GiB (CUDA context, cuBLAS workspaces, NCCL buffers) + 10% of peak (allocator
     fragmentation, temporaries this model leaves out)  <=  --gpu_memory_gib.
@@ -130,11 +131,12 @@ from pathlib import Path
 
 import torch
 
-from common.arguments import Parser
+from common.arguments import Parser, at_least
 from common.batch import gradient_accumulation_steps
 from common.errors import UserError, exit_on_user_error, first_line
 from common.model import check_max_seq_length, config_warnings_refused
 from common.optim import buckets
+from common.speed import RECOMPUTATION
 from common.tensor_parallel import check_tp_size
 
 REPO = Path(__file__).resolve().parents[1]
@@ -407,7 +409,7 @@ def layer_activation_bytes_per_token(shape, compute_bytes, attention, seq_length
 def estimate(shape, strategy="FULL_SHARD", gpus_per_node=1, nodes=1, precision="bf16", seq_length=4096,
              batch_size=1, gradient_checkpointing=False, cpu_offload=False, attention="sdpa", accumulation=1,
              shard_group_size=None, accumulate_unsharded=False, lora_rank=None, lora_targets=(), qlora=False,
-             optimizer="adamw", tp_size=1):
+             optimizer="adamw", tp_size=1, loss_chunk_size=0):
     """Per-GPU bytes of every part, of the four moments that can be the peak, and the peak; host
     RAM per node for an offloaded state. All in bytes. lora_rank=None: full fine-tuning. The
     moments and their parts are those of the module docstring. tp_size > 1: step 6, FSDP over the
@@ -435,7 +437,9 @@ def estimate(shape, strategy="FULL_SHARD", gpus_per_node=1, nodes=1, precision="
     layer_input = math.ceil(tokens * c * h / t)  # tensor parallel: a part of the sequence (the first layer's: whole)
     kept_activations = (layers * layer_input + tokens * c * h - layer_input if gradient_checkpointing
                         else layers * one_layer)
-    recomputed = one_layer if gradient_checkpointing else 0  # one layer at a time, in backward
+    if gradient_checkpointing == "selective":  # and each layer's matmul and attention outputs (common/speed.py)
+        kept_activations += layers * math.ceil(tokens * c * (4 * h + 2 * shape.kv_size + 2 * i) / t)
+    recomputed = one_layer if gradient_checkpointing else 0  # one layer at a time, in backward (selective: less)
     # the final norm's fp32 input and its output (a part of the sequence), and lm_head's input (whole)
     norm = 4 * h if lora else math.ceil((4 + c) * h / t) + c * h
     upcast = 4 if c < 4 else 0  # the loss runs on an fp32 copy of the logits
@@ -443,18 +447,18 @@ def estimate(shape, strategy="FULL_SHARD", gpus_per_node=1, nodes=1, precision="
     # Loss parallel computes the log-softmax in steps (x - max, its exp, the result: one more fp32 copy)
     # and its backward keeps twice the temporaries of the fused kernel (fitted to FSDPMemTracker's figures).
     parallel_loss = t > 1
+    # --loss_chunk_size: the logits of one chunk of tokens at a time, in forward and again in backward
+    logit_tokens = min(tokens, loss_chunk_size) if loss_chunk_size else tokens
     # logits, their fp32 copy, the log-softmax
-    head_forward = tokens * (norm + (c + upcast + (8 if parallel_loss else 4)) * vocab_part)
-    lm_head_running = tokens * (norm + c * vocab_part)  # logits only, while the root is still gathered
+    head_forward = tokens * norm + logit_tokens * (c + upcast + (8 if parallel_loss else 4)) * vocab_part
+    lm_head_running = tokens * norm + logit_tokens * c * vocab_part  # logits only, while the root is still gathered
     # the log-softmax, its gradient and temporaries (fp32)
-    head_backward = tokens * (norm + (24 if parallel_loss else 12) * vocab_part)
+    head_backward = tokens * norm + logit_tokens * (24 if parallel_loss else 12) * vocab_part
     layer_backward = tokens * c * (2 * h + math.ceil(4 * i / t))  # gradients of a layer's output and its MLP's
 
-    # foreach AdamW: a copy of exp_avg_sq (offloaded: none, the step runs on the CPU); then Muon's buckets
-    # on the GPU, with or without offload
+    # fused AdamW keeps no temporary (common/optim.py); Muon's buckets on the GPU, with or without offload
     muon = muon_matrices(units) if optimizer == "muon" else []
-    adamw_state = state["optimizer"] - sharded_bytes(muon, degree, MUON_BYTES)
-    step_temporaries = max(0 if cpu_offload else adamw_state // 2, muon_step_bytes(muon, degree, c))
+    step_temporaries = muon_step_bytes(muon, degree, c)
     gradients_before = state["gradients"] if accumulation > 1 and not keep else 0  # earlier micro-batches'
     base = on_gpu * (state["parameters"] + state["optimizer"] + gradients_before) + kept_gradients
     growing = 0 if gradients_before or keep else on_gpu * layer_gradients * (layers - 1) // layers
@@ -491,7 +495,7 @@ def estimate_job(shape, args, gpus_per_node, nodes, lora=False, attention="sdpa"
                     lora_rank=args.lora_rank if lora else None,
                     lora_targets=targets.split(",") if isinstance(targets, str) else targets,
                     qlora=lora and getattr(args, "qlora", False), optimizer=getattr(args, "optimizer", "adamw"),
-                    tp_size=tp_size)
+                    tp_size=tp_size, loss_chunk_size=getattr(args, "loss_chunk_size", 0))
 
 
 def needed_bytes(peak):
@@ -519,8 +523,8 @@ def loading_bytes(shape):
 # ---- printing -------------------------------------------------------------------------------------
 
 OPTIMIZER_STATE = {"adamw": "AdamW exp_avg + exp_avg_sq", "muon": "Muon momentum, AdamW's moments"}
-STEP_TEMPORARIES = {("adamw", False): "foreach AdamW", ("adamw", True): "the step runs on the CPU",
-                    ("muon", False): "Muon's bucket, or foreach AdamW's copy", ("muon", True): "Muon's bucket"}
+STEP_TEMPORARIES = {("adamw", False): "fused AdamW: none", ("adamw", True): "the step runs on the CPU",
+                    ("muon", False): "Muon's bucket", ("muon", True): "Muon's bucket"}
 
 
 def gib(n):
@@ -528,7 +532,11 @@ def gib(n):
 
 
 def setup_line(args, accumulation):
-    checkpointing = "activation checkpointing" if args.gradient_checkpointing else "no activation checkpointing"
+    checkpointing = ("no activation checkpointing" if not args.gradient_checkpointing else
+                     "selective activation checkpointing" if args.gradient_checkpointing == "selective"
+                     else "activation checkpointing")
+    if getattr(args, "loss_chunk_size", 0):
+        checkpointing += f", the loss {args.loss_chunk_size} tokens at a time"
     if accumulation is None:  # a table: the accumulation follows from each row's GPU count
         micro = f"total batch {args.total_batch_size}" if args.total_batch_size else "1 micro-batch per step"
     else:
@@ -555,6 +563,8 @@ def report(shape, source, args):
     where = "host RAM" if args.cpu_offload else "fp32"
     share = f"1/{est['shard_degree']}" + (f" of a 1/{tp} tensor-parallel part" if tp > 1 else "")
     layers = f"{shape.num_layers} decoder layers, {'' if args.gradient_checkpointing else 'not '}checkpointed"
+    if args.gradient_checkpointing == "selective":  # their matmul and attention outputs kept
+        layers = layers.replace("checkpointed", "selectively checkpointed")
     keep = args.accumulate_unsharded and accumulation > 1
     gathered = "the whole model" if args.sharding_strategy == "SHARD_GRAD_OP" or keep else "root + 2 decoder layers"
     frozen = " (frozen: 4-bit linear layers)" if args.qlora else " (frozen)" if args.lora else ""
@@ -675,7 +685,10 @@ def add_job_options(parser):
     parser.add("batch_size_per_device", type=int, default=1, help="rows per forward pass on each GPU")
     parser.add("total_batch_size", type=int, default=None,
                help="rows per optimiser step over all GPUs (default: one micro-batch per GPU, no accumulation)")
-    parser.add("gradient_checkpointing", action="store_true", help="activation checkpointing per decoder layer")
+    parser.add("gradient_checkpointing", nargs="?", const="full", default=None, choices=RECOMPUTATION,
+               help="activation checkpointing per decoder layer, as train.py's: full (the flag alone) or selective")
+    parser.add("loss_chunk_size", type=at_least(0), default=0,
+               help="as train.py's: the loss this many tokens at a time (0: the whole micro-batch's logits)")
     parser.add("cpu_offload", action="store_true", help="FSDP2 CPUOffloadPolicy: sharded state in host RAM")
     parser.add("accumulate_unsharded", action="store_true",
                help="keep gathered weights and whole fp32 gradients between micro-batches, as train.py's option")
