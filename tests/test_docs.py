@@ -263,7 +263,7 @@ def test_each_option_a_page_names_exists_in_its_script():
 OUTPUTS = {
     "demo/": "the built-in tiny default: ./demo.sh and `01_download/download.py --demo` make it (gitignored)",
     ".venv/": "install.sh makes it (gitignored)",
-    "workshop/slides/": "the slides' build writes the deck there",
+    "slurm/site.sh": "the site's own settings, which a site copies from slurm/site.example.sh (gitignored)",
 }
 
 
@@ -350,7 +350,7 @@ FIGURES = {
     "the learning run's legal moves (%)": Figure(r"^\| \*\*all\*\* \| 1,000 \| \*\*([\d.]+)%\*\*"),
     "the learning run's seconds": Figure(r"1,000 steps (?:of 16 games, 5\.4M tokens, |in )(\d+) s\b"),
 }
-FIGURES["the kit's environment (the folder install.sh makes)"] = Figure(r"source \"?(\S+?)/bin/activate")
+FIGURES["the kit's environment (the folder install.sh makes)"] = Figure(r"source \"?(?:\$\w+/)?(\S+?)/bin/activate")  # $KIT_DIR/.venv is .venv
 FIGURE_FILES = tuple(name for name in sorted(tracked()) if name.endswith(".sh"))  # the scripts' comments state them too
 
 
