@@ -350,7 +350,8 @@ FIGURES = {
     "the learning run's legal moves (%)": Figure(r"^\| \*\*all\*\* \| 1,000 \| \*\*([\d.]+)%\*\*"),
     "the learning run's seconds": Figure(r"1,000 steps (?:of 16 games, 5\.4M tokens, |in )(\d+) s\b"),
 }
-FIGURES["the kit's environment (the folder install.sh makes)"] = Figure(r"source \"?(?:\$\w+/)?(\S+?)/bin/activate")  # $KIT_DIR/.venv is .venv
+# $KIT_DIR/.venv (the site file's form) is the same folder as .venv
+FIGURES["the kit's environment (the folder install.sh makes)"] = Figure(r"source \"?(?:\$\w+/)?(\S+?)/bin/activate")
 FIGURE_FILES = tuple(name for name in sorted(tracked()) if name.endswith(".sh"))  # the scripts' comments state them too
 
 
