@@ -154,8 +154,9 @@ def test_refuses_a_model_whose_layers_do_not_split(demo, tmp_path):
 def test_muon_is_refused_in_one_line():
     """Step 6 cuts each matrix over both mesh dimensions; the kit's Muon orthogonalises matrices cut
     along one (FSDP's). Refused before anything starts, not a NotImplementedError at the first step."""
+    as_torchrun_starts_it = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     result = subprocess.run([sys.executable, str(STEP_SCRIPTS["tp"]), "--output_dir", "unused", "--optimizer", "muon"],
-                            cwd=REPO, capture_output=True, text=True, timeout=120)
+                            cwd=REPO, capture_output=True, text=True, timeout=120, env=as_torchrun_starts_it)
     assert result.returncode == 2 and result.stderr.startswith("error: --optimizer muon: step 6 cuts each matrix"), \
         result.stderr[-2000:]
     assert result.stderr.count("\n") == 1 and not (REPO / "unused").exists()
