@@ -445,7 +445,7 @@ def draw_mesh(summary, path):
         node, slot = divmod(rank, per_node)
         position[rank] = (2 + 5 * slot, 5.2 - 3.6 * node)
     for node in range(summary["ranks"] // per_node):
-        axes.add_patch(FancyBboxPatch((0.6, 3.9 - 3.6 * node), 3 + 5 * (per_node - 1) + 3.8, 2.6,
+        axes.add_patch(FancyBboxPatch((0.6, 3.9 - 3.6 * node), 5 * (per_node - 1) + 2.8, 2.6,
                                       boxstyle="round,pad=0.1", facecolor="#F7F7F7", edgecolor="#555555"))
         axes.text(0.8, 6.25 - 3.6 * node, f"node {node}", fontsize=16, va="top", fontstyle="italic")
     for ranks in groups["tp"]:
@@ -460,12 +460,13 @@ def draw_mesh(summary, path):
         axes.add_patch(FancyBboxPatch((x - 1.1, y - 0.55), 2.2, 1.1, boxstyle="round,pad=0.05", facecolor="white",
                                       edgecolor="black", linewidth=2, zorder=2))
         axes.text(x, y, f"rank {rank}", ha="center", va="center", fontsize=17, fontweight="bold", zorder=3)
-    axes.text(5.6, -0.2, f"one step, rank 0 sends into its tp group {megabytes(traffic['tp']):.1f} MB "
+    right = 5 * (per_node - 1) + 3.6  # the node boxes' right edge, and a margin
+    axes.text(right / 2, -0.2, f"one step, rank 0 sends into its tp group {megabytes(traffic['tp']):.1f} MB "
               "(all-reduces of activations: stays inside the node)\n"
               f"and into its dp group {megabytes(traffic['dp']):.1f} MB "
               "(FSDP's all-gathers and reduce-scatters: crosses the network)",
               ha="center", va="top", fontsize=15)
-    axes.set_xlim(0, 11.2)
+    axes.set_xlim(0, right)
     axes.set_ylim(-1.6, 7)
     axes.set_axis_off()
     axes.set_title("Step 6: 4 ranks as a 2 x 2 mesh (dp, tp), as on 2 nodes of 2 GPUs", fontsize=20,
