@@ -105,11 +105,11 @@ def record(result_path, script, script_args):
     # Each micro-batch's forward pass is its call of loss_sum; its backward follows.
     loss_sum = common.data.loss_sum
 
-    def marked_loss_sum(model, batch):
+    def marked_loss_sum(model, batch, *options):  # options: the chunk size, as the step passes it
         mark("forward")
         state["forward"] = True
         seen.clear()  # the last micro-batch's activations are freed: their addresses may come again
-        loss = loss_sum(model, batch)
+        loss = loss_sum(model, batch, *options)
         state["forward"] = False
         mark("backward")
         return loss
