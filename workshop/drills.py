@@ -222,7 +222,7 @@ class NonfiniteLoss(Drill):
     fault; the step is the run's, read from its files."""
     summary = "the loss runs away (a learning rate far too high)"
     questions = ("step", "cause")
-    why = {"step": "the error line names the step whose loss was not finite",
+    why = {"step": "the error line names the step whose loss, or whose weights after the update, were not finite",
            "cause": "the ranks all ran to that step together: no rank froze, died or lagged; what made the loss "
                     "grow is in the run's settings (run.json) and in metrics.jsonl's grad_norm"}
 
