@@ -333,16 +333,10 @@ def test_ctrl_c_ends_with_one_line_naming_the_checkpoint(demo, tmp_path):
     assert not psutil.pid_exists(process.pid) or psutil.Process(process.pid).status() == psutil.STATUS_ZOMBIE
 
 
-def test_an_output_folder_that_a_node_sees_read_only_is_refused_on_that_node(demo, tmp_path):
-    """Two torchrun "nodes", the second in a mount namespace where the shared folder is read-only: that node
-    says so in one line that names the folder and the node, the first ends with a `stopped:` line, both exit
-    2 without a traceback, and no probe file is left in the folder."""
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        pytest.skip("needs root and unshare(1) to give one node a private mount")
-    shared = tmp_path / "shared"
-    shared.mkdir()
-    out = shared / "run"
-    out.mkdir()  # made by the job's first attempt, say
+def two_nodes(demo, out, shared, node_1_mount):
+    """A 2-step FSDP run as two torchrun "nodes" of one rank on this machine (--nnodes 2); node 1 runs in
+    a mount namespace of its own where `node_1_mount` (a shell command, $0 the shared folder) changes
+    what it sees of `shared`. Returns both processes and their standard errors."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -353,10 +347,26 @@ def test_an_output_folder_that_a_node_sees_read_only_is_refused_on_that_node(dem
                 *map(str, demo_args(demo, out) + ["--max_steps", 2])]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     first = subprocess.Popen(node(0), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    read_only = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-                 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec "$@"', str(shared), *node(1)]
-    second = subprocess.Popen(read_only, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    in_own_mounts = ["unshare", "--mount", "--propagation", "private", "sh", "-c", node_1_mount + ' && exec "$@"',
+                     str(shared), *node(1)]
+    second = subprocess.Popen(in_own_mounts, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
     (_, first_err), (_, second_err) = first.communicate(timeout=300), second.communicate(timeout=300)
+    return first, second, first_err, second_err
+
+
+def test_an_output_folder_that_a_node_sees_read_only_is_refused_on_that_node(demo, tmp_path):
+    """Two torchrun "nodes", the second in a mount namespace where the shared folder is read-only: that node
+    says so in one line that names the folder and the node, the first ends with a `stopped:` line, both exit
+    2 without a traceback, and no probe file is left in the folder."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) to give one node a private mount")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    out = shared / "run"
+    out.mkdir()  # made by the job's first attempt, say
+    first, second, first_err, second_err = two_nodes(
+        demo, out, shared, 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0"')  # node 1 sees it read-only
     assert (first.returncode, second.returncode) == (2, 2), first_err[-2000:] + second_err[-2000:]
     line = f"node 1 ({socket.gethostname()}): --output_dir {out} is not writable (Read-only file system)"
     said = [line for line in second_err.splitlines() if line.startswith(("error:", "stopped:"))]
@@ -376,20 +386,7 @@ def test_an_output_folder_that_a_node_does_not_share_is_refused_with_its_name(de
     shared = tmp_path / "shared"
     shared.mkdir()
     out = shared / "run"
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-
-    def node(rank):
-        return [sys.executable, "-m", "launch.torchrun", "--nnodes=2", "--nproc-per-node=1", f"--node-rank={rank}",
-                "--master-addr=127.0.0.1", f"--master-port={port}", str(STEP_SCRIPTS["fsdp"]),
-                *map(str, demo_args(demo, out) + ["--max_steps", 2])]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    first = subprocess.Popen(node(0), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    private = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-               'mount -t tmpfs tmpfs "$0" && exec "$@"', str(shared), *node(1)]
-    second = subprocess.Popen(private, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    (_, first_err), (_, second_err) = first.communicate(timeout=300), second.communicate(timeout=300)
+    first, second, first_err, second_err = two_nodes(demo, out, shared, 'mount -t tmpfs tmpfs "$0"')  # hidden on node 1
     assert (first.returncode, second.returncode) == (2, 2), first_err[-2000:] + second_err[-2000:]
     errors = [line for line in first_err.splitlines() if line.startswith("error:")]
     assert errors == [f"error: --output_dir {out} is not shared by the job's nodes: node 1 ({socket.gethostname()}) "
