@@ -84,11 +84,61 @@ def run_step(step, args, nproc=1, timeout=600, check=True):
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    f"--nproc-per-node={nproc}", str(STEP_SCRIPTS.get(step, step))]  # or a script's path
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    result = subprocess.run(command + [str(a) for a in args], capture_output=True, text=True,
-                            timeout=timeout, env=env, cwd=REPO)
+    command += [str(a) for a in args]
+    result = run_python(command[1:], env, timeout)  # torchrun's ranks are processes of their own
     if check and result.returncode != 0:
         raise AssertionError(f"{step} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     return result
+
+
+class WarmPython:
+    """tests/warm_python.py, started once per test worker: it runs a Python script in a child forked
+    from a Python that has imported torch, transformers and datasets already (seconds saved per run)."""
+    process = None
+    env = None
+
+    @classmethod
+    def run(cls, command, env, timeout, cwd):
+        if cls.process is None:
+            cls.env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+            cls.process = subprocess.Popen([sys.executable, str(REPO / "tests/warm_python.py")], env=cls.env, cwd=REPO,
+                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                           text=True)
+        with tempfile.TemporaryDirectory() as folder:
+            stdout, stderr = Path(folder, "stdout"), Path(folder, "stderr")
+            stdout.touch()
+            stderr.touch()
+            request = {"argv": command[1:], "cwd": str(cwd), "env": env, "stdout": str(stdout), "stderr": str(stderr),
+                       "timeout": timeout}
+            cls.process.stdin.write(json.dumps(request) + "\n")
+            cls.process.stdin.flush()
+            answer = cls.process.stdout.readline()
+            assert answer, "tests/warm_python.py ended"
+            answer = json.loads(answer)
+            if answer["timed_out"]:
+                raise subprocess.TimeoutExpired(command, timeout, stdout.read_text(), stderr.read_text())
+            return subprocess.CompletedProcess(command, answer["returncode"], stdout.read_text(), stderr.read_text())
+
+
+# What the libraries WarmPython imports read from the environment as they are imported (caches, offline
+# modes, threads, home): a run whose environment differs there runs as a subprocess of its own.
+READ_AT_IMPORT = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "DATASETS", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_",
+                  "PYTHON", "LD_", "HOME", "XDG_", "CUDA", "TMPDIR")
+
+
+def run_python(args, env=None, timeout=600, cwd=REPO):
+    """`python SCRIPT ARGS` (or -m MODULE ARGS) as subprocess.run(..., capture_output=True, text=True) runs
+    it (stdin: nothing; `env`, else this one with a thread per process), by WarmPython where it can."""
+    command = [sys.executable, *map(str, args)]
+    env = env if env is not None else {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+    def read_at_import(env):
+        return {name: value for name, value in env.items() if name.startswith(READ_AT_IMPORT)}
+    warm_env = WarmPython.env or {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if (str(args[0]).startswith("-") and args[0] != "-m") or read_at_import(env) != read_at_import(warm_env):
+        return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd,
+                              stdin=subprocess.DEVNULL)
+    return WarmPython.run(command, env, timeout, cwd)
 
 
 def run_ranks(tmp_path, source, nproc=2, timeout=300):

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import QUICK, REPO, run_step
+from conftest import QUICK, REPO, run_step, run_python
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 ONE_STEP = QUICK + ["--max_steps", 1, "--total_batch_size", 2, "--batch_size_per_device", 2]
@@ -34,8 +34,7 @@ def runs(demo, tmp_path_factory):
 
 
 def play(model, tmp_path):
-    return subprocess.run([sys.executable, str(REPO / "play.py"), "--model", str(model), "--pgn",
-                           str(tmp_path / "game.pgn")], capture_output=True, text=True, timeout=120, env=ENV, cwd=REPO)
+    return run_python([REPO / "play.py", "--model", model, "--pgn", tmp_path / "game.pgn"], env=ENV, timeout=120)
 
 
 def test_a_run_folder_as_model_names_its_final_model(runs, tmp_path):
@@ -62,8 +61,7 @@ def test_lora_adapters_as_model_name_the_base_model(runs, tmp_path, where):
 
 def test_export_of_a_run_folder_names_its_newest_checkpoint(runs, tmp_path):
     def export(source):
-        return subprocess.run([sys.executable, str(REPO / "tools/export.py"), str(source), str(tmp_path / "out")],
-                              capture_output=True, text=True, timeout=120, env=ENV, cwd=REPO)
+        return run_python([REPO / "tools/export.py", source, tmp_path / "out"], env=ENV, timeout=120)
     run = runs / "single"
     assert one_error_line(export(run)) == (
         f"error: {run} is a run's folder: pass one of its checkpoints, a folder OUTPUT_DIR/checkpoints/step-NNNNNN "

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, run_python
 from tools import check_plan as cp
 
 PLAN_CHECK = REPO / "tools" / "check_plan.py"
@@ -219,9 +219,8 @@ def test_verdict_names_the_figure_and_what_to_change(small_config):
 
 def test_command_line(small_config):
     """Exit status 1 when the job does not fit, 0 when it does; --json gives the figures in bytes."""
-    done = subprocess.run([sys.executable, str(PLAN_CHECK), "--model", str(small_config), "--max_seq_length", "64",
-                           "--gpus_per_node", "2", "--gpu_memory_gib", "2", "--json"],
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    done = run_python([PLAN_CHECK, "--model", small_config, "--max_seq_length", 64, "--gpus_per_node", 2,
+                       "--gpu_memory_gib", 2, "--json"], timeout=300)
     assert done.returncode == 1, done.stderr[-3000:]
     result = json.loads(done.stdout)
     assert not result["fits"] and result["ranks"] == 2 and result["peak"] > sum(result["state"].values()) / 2
@@ -323,8 +322,7 @@ def test_real_state_bytes_equal_the_plan_check(demo, real_state_bytes, configura
 
 def run_submit(args):
     env = {**os.environ, "PATH": str(Path(sys.executable).parent)}  # no sbatch here: nothing can be submitted
-    return subprocess.run([sys.executable, "submit.py", *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=180)
+    return run_python(["submit.py", *args], env={**env, "OMP_NUM_THREADS": "1"}, timeout=180)
 
 
 def test_a_job_that_cannot_fit_is_refused_unless_forced(tmp_path):

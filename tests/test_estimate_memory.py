@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tools import estimate_memory as em
+from conftest import run_python
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -303,8 +304,7 @@ def test_report_on_a_local_model_directory(demo_model, capsys):
 
 
 def test_bad_input_is_one_error_line():
-    result = subprocess.run([sys.executable, str(ESTIMATOR), "--nodes", "0", "--gpus_per_node", "2"],
-                            check=False, capture_output=True, text=True, timeout=120, cwd=REPO)
+    result = run_python([ESTIMATOR, "--nodes", 0, "--gpus_per_node", 2], timeout=120)
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert lines == ["error: --nodes must be at least 1 (got 0)"], result.stderr

@@ -10,7 +10,7 @@ import sys
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import REPO
+from conftest import REPO, run_python
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -97,8 +97,7 @@ def test_the_generator_leaves_out_the_games_of_another_file(tmp_path):
 def test_counts_out_of_range_are_one_error_line(tmp_path, option, value, least):
     """Issue 23: a negative count (or a zero where none can work) is refused as it is read: one
     line, before anything is built; no model or data folder appears."""
-    result = subprocess.run([sys.executable, str(REPO / "benchmark/learn_chess.py"), "--out", str(tmp_path / "out"),
-                             option, str(value)], capture_output=True, text=True, timeout=120, cwd=REPO)
+    result = run_python([REPO / "benchmark/learn_chess.py", "--out", tmp_path / "out", option, value], timeout=120)
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr == f"error: {option} must be at least {least} (got {value}) (see --help)\n", result.stderr
     assert not (tmp_path / "out").exists()
@@ -107,9 +106,7 @@ def test_counts_out_of_range_are_one_error_line(tmp_path, option, value, least):
 # ---- issue 36: nothing a user wrote is lost; options as given ---------------------------------------------
 
 def learn_chess(*args):
-    return subprocess.run([sys.executable, str(REPO / "benchmark/learn_chess.py"), *map(str, args)],
-                          capture_output=True, text=True, timeout=120, cwd=REPO,
-                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"})
+    return run_python([REPO / "benchmark/learn_chess.py", *args], timeout=120)
 
 
 def snapshot(folder):

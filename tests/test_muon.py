@@ -15,7 +15,7 @@ import sys
 import pytest
 from safetensors.torch import load_file
 
-from conftest import EQUIVALENCE, REPO, RESUMABLE, assert_same_run, demo_args, read_metrics, run_step
+from conftest import EQUIVALENCE, REPO, RESUMABLE, assert_same_run, demo_args, read_metrics, run_step, run_python
 from test_resume import kill_after_first_checkpoint
 
 MUON = ["--optimizer", "muon"]
@@ -212,9 +212,8 @@ def test_step_5_trains_its_adapters_with_muon(demo, tmp_path):
     run_step("lora", demo_args(demo, tmp_path) + MUON + ["--max_steps", 3, "--learning_rate", 1e-2], nproc=2)
     losses = [record["loss"] for record in read_metrics(tmp_path)]
     assert losses[-1] < losses[0]
-    plan = subprocess.run([sys.executable, "tools/check_plan.py", "--step", "lora", "--gpus_per_node", "2", "--",
-                           "--model", str(demo / "model"), "--output_dir", str(tmp_path / "planned"), *MUON],
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    plan = run_python(["tools/check_plan.py", "--step", "lora", "--gpus_per_node", 2, "--", "--model", demo / "model",
+                       "--output_dir", tmp_path / "planned", *MUON], timeout=300)
     assert plan.returncode == 0 and plan.stdout.startswith("plan check: fits: "), plan.stderr[-2000:]
 
 

@@ -16,7 +16,7 @@ import time
 import psutil
 import pytest
 
-from conftest import REPO, STEP_SCRIPTS, demo_args, read_metrics, run_step, with_changed
+from conftest import REPO, STEP_SCRIPTS, demo_args, read_metrics, run_python, run_step, with_changed
 
 RUN = ["--max_steps", 2, "--save_every", 1, "--total_batch_size", 8, "--batch_size_per_device", 4]
 
@@ -231,9 +231,8 @@ def test_the_shell_asks_the_run_dir_for_progress(finished_run, tmp_path):
 @pytest.mark.quick
 def test_an_empty_output_dir_is_refused(demo, tmp_path):
     """--output_dir '' used to write the run into the current directory."""
-    result = subprocess.run([sys.executable, str(STEP_SCRIPTS["single"]),
-                             *map(str, with_changed(demo_args(demo, tmp_path), ["--output_dir", ""]))],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    result = run_python([STEP_SCRIPTS["single"], *with_changed(demo_args(demo, tmp_path), ["--output_dir", ""])],
+                        timeout=300, cwd=tmp_path)
     assert "--output_dir is empty" in one_error_line(result)
     assert list(tmp_path.iterdir()) == []
 

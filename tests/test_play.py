@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 
 from common.notation import move_text, words_of
-from conftest import REPO
+from conftest import REPO, run_python
 
 PLAY = str(REPO / "play.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -25,8 +25,7 @@ UCI_PLIES = 40  # a cap on the UCI games, which otherwise may run to the 75-move
 
 
 def play(*args, env=ENV):
-    return subprocess.run([sys.executable, PLAY, *map(str, args)], capture_output=True, text=True, timeout=300,
-                          env=env, cwd=REPO, stdin=subprocess.DEVNULL)
+    return run_python([PLAY, *args], env=env, timeout=300)
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import submit
 from common.batch import gradient_accumulation_steps
 from common.errors import UserError
 from slurm_cluster import install_when_missing
+from conftest import run_python
 
 REPO = submit.REPO
 pytestmark = pytest.mark.quick
@@ -27,8 +28,7 @@ def no_slurm_env():
 
 
 def run_submit(args, env):
-    return subprocess.run([sys.executable, "submit.py", *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=120)
+    return run_python(["submit.py", *args], env={**env, "OMP_NUM_THREADS": "1"}, timeout=120)
 
 
 # (total batch, per device, world size) -> accumulation

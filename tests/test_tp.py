@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (EQUIVALENCE, QUICK, REPO, STEP_SCRIPTS, assert_same_run, demo_args, read_metrics, run_ranks,
-                      run_step)
+from conftest import (EQUIVALENCE, QUICK, REPO, STEP_SCRIPTS, assert_same_run, demo_args, read_metrics, run_python,
+                      run_ranks, run_step)
 
 # name: (ranks, --tp_size); 8 rows per optimiser step, 2 per forward pass
 LAYOUTS = {"tp2_on_2_ranks": (2, 2), "2x2": (4, 2), "1x4": (4, 4)}
@@ -161,9 +161,8 @@ def test_muon_is_refused_in_one_line():
         result.stderr[-2000:]
     assert result.stderr.count("\n") == 1 and not (REPO / "unused").exists()
     # the plan check before a step-6 job (submit.py, slurm/tp.sh) refuses it the same way
-    plan = subprocess.run([sys.executable, "tools/check_plan.py", "--gpus_per_node", "2", "--tp_size", "2",
-                           "--optimizer", "muon", "--max_seq_length", "256"], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+    plan = run_python(["tools/check_plan.py", "--gpus_per_node", 2, "--tp_size", 2, "--optimizer", "muon",
+                       "--max_seq_length", 256], timeout=120)
     assert plan.returncode == 2 and plan.stderr == result.stderr, plan.stderr[-2000:]
 
 
