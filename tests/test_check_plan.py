@@ -394,3 +394,60 @@ def test_step_6_jobs_get_no_sharding_choice(demo, capsys):
                    + ["--tp_size", "1"]) == 0
     said = capsys.readouterr()
     assert said.out == "" and "HYBRID_SHARD" not in said.err and said.err.startswith("plan check: fits: "), said
+
+
+# ---- issue 41 point 7: the job's time --------------------------------------------------------------
+
+def test_time_line_and_the_time_to_ask_for(small_config, capsys):
+    """Steps x (FLOPs of a step on one GPU, recomputation included, at peak x MFU) + loading + checkpoints,
+    and the --time with its margin, in Slurm's format; in the report and in --json's figures."""
+    args = plan_options(small_config, "--gpus_per_node", 2, "--gradient_checkpointing", "--max_steps", 1000,
+                        "--save_every", 300)
+    result = run_plan(args)
+    t = result["time"]
+    assert 0 < t["recomputed_flops_per_token"] < t["flops_per_token"] / 2  # one more forward of a full fine-tune
+    rows = args.total_batch_size or 2 * 2  # batch 2 per GPU, 2 GPUs, no accumulation
+    step_s = rows * 256 * (t["flops_per_token"] + t["recomputed_flops_per_token"]) / 2 / (989e12 * 0.358)
+    assert t["step_s"] == pytest.approx(step_s) and t["gpu"] == "NVIDIA H100 80GB HBM3"
+    assert t["saves"] == 4 and t["steps"] == 1000  # steps 300, 600, 900 and the end
+    assert t["total_s"] == pytest.approx(t["loading_s"] + 1000 * t["step_s"] + 4 * t["save_s"])
+    assert t["request"] == cp.job_time.slurm_time(cp.job_time.request_seconds(t["total_s"]))
+    line = cp.time_line(result)
+    assert line.startswith("time: 1000 steps x ") and line.endswith(f"ask for --time {t['request']} (+20%, at least "
+                                                                    "10 minutes)")
+    assert "35.8% MFU (the GPU check's on this GPU, benchmark/README.md) of NVIDIA H100 80GB HBM3's 989 TFLOP/s" in line
+    lora = cp.predict_time(args, "lora", 2, 1, 0, 1, result["state"],
+                           gpu="NVIDIA A100-SXM4-80GB")
+    assert lora["mfu"] == 0.261 and "the kit's default for a GPU the GPU check has not measured" in lora["speed"]
+    assert "(assumed: NVIDIA L4 is not in common/metrics.py)" in cp.predict_time(
+        args, "fsdp", 2, 1, 0, 1, result["state"], gpu="NVIDIA L4")["speed"]
+    # Slurm's format; the margin: 20 %, at least 10 minutes, whole minutes
+    assert [cp.job_time.slurm_time(s) for s in (59, 3600, 90061)] == ["00:00:59", "01:00:00", "1-01:01:01"]
+    assert [cp.job_time.request_seconds(s) for s in (100, 36000)] == [720, 43200]
+
+
+@pytest.mark.quick
+def test_a_time_limit_shorter_than_the_job():
+    """A limit that ends the job before its first checkpoint (and before Slurm's warning can save one) is
+    refused in one line; one that only cuts it short is a warning; one that holds it, nothing."""
+    # 1,000 steps of 1 s on 8 GPUs, a checkpoint every 300 (4 in all) of 10 GB a rank, 1B parameters to load
+    t = cp.job_time.predict(1e9, 0, 8000, 8, 1e12, 1000, 300, 1e9, 1e10)
+    assert (t["step_s"], t["saves"], t["save_s"], t["loading_s"]) == (1.0, 4, 10.0, 64.0)
+    assert (t["first_checkpoint_s"], t["total_s"]) == (374.0, 1104.0)
+    slow = {"time": t}
+    assert cp.time_limit_verdict(slow, 3600, "--force") is None
+    assert cp.time_limit_verdict(slow, 600, "--force").startswith("warning: the time limit, 10.0 min, is shorter ")
+    with pytest.raises(cp.UserError) as refused:
+        cp.time_limit_verdict(slow, 240, "FORCE=1 sbatch")  # 4 minutes: Slurm's warning would come before the start
+    assert str(refused.value).startswith("the time limit, 4.0 min, ends the job before its first checkpoint (at ")
+    assert "\n" not in str(refused.value) and str(refused.value).endswith("(FORCE=1 sbatch runs it anyway)")
+    # a step longer than Slurm's warning leaves no time to save at the warning either
+    assert cp.job_time.killed_before_checkpoint(dict(t, step_s=400.0, first_checkpoint_s=1e9), 3600)
+
+
+def test_the_template_form_refuses_a_limit_before_the_first_checkpoint(demo, capsys):
+    """slurm/fsdp.sh's call, with squeue's time left: one error line before training."""
+    job = training_job(demo, "--gpus_per_node", 1, "--time_limit", "2:00") + ["--max_steps", "100000000"]
+    line, out = refusal(capsys, job)
+    assert line.startswith("error: the time limit, 2.0 min, ends the job before its first checkpoint")
+    assert "plan check: fits: " in out and "time: 100000000 steps x " in out
