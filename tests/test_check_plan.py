@@ -343,6 +343,35 @@ def test_a_job_that_cannot_fit_is_refused_unless_forced(tmp_path):
     assert steps.returncode == 0 and "plan check" not in steps.stdout  # the FSDP steps only
 
 
+def test_submit_asks_for_the_predicted_time(monkeypatch, capsys):
+    """No --time and no site's: submit.py asks for the plan check's --time (issue 41 point 7); a --time
+    shorter than the job is kept, with a warning; one that ends it before its first checkpoint, refused.
+    In this process, as `python submit.py` runs main() (a subprocess each costs its imports again)."""
+    import submit
+    monkeypatch.setenv("PATH", str(Path(sys.executable).parent))  # no sbatch: nothing can be submitted
+    monkeypatch.setenv("KIT_SITE", "/nonexistent/site.sh")  # no site's time
+    monkeypatch.delenv("SBATCH_TIMELIMIT", raising=False)
+    monkeypatch.chdir(REPO)
+    assert submit.main(["--dry-run", "--step", "fsdp", "--gpus", "2"]) == 0
+    out = capsys.readouterr().out
+    request = next(line for line in out.splitlines() if line.startswith("time: ")).rsplit("ask for --time ", 1)[1]
+    hours, minutes, _ = map(int, request.split(" ")[0].split(":"))
+    assert f"time limit {request.split(' ')[0]} (the plan check's prediction and margin)" in out
+    assert f"#SBATCH --time={hours * 60 + minutes}" in out.splitlines()
+    long_job = ["--", "--max_steps", "100000000", "--save_every", "1000"]  # hours at an H100's speed
+    assert submit.main(["--dry-run", "--step", "fsdp", "--gpus", "2", "--time", "30", *long_job]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "#SBATCH --time=30" in out and any(line.startswith("warning: the time limit, 30.0 min, is shorter than "
+                                                              "the job") for line in out)
+    with pytest.raises(SystemExit) as exit_info:
+        submit.exit_on_user_error(lambda: submit.main(["--dry-run", "--step", "fsdp", "--gpus", "2", "--time", "1",
+                                                       "--", "--max_steps", "100000000"]))
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1
+    assert err.startswith("error: the time limit, 1.0 min, ends the job before its first checkpoint") and \
+        err.endswith("(--force runs it anyway)\n")
+
+
 # ---- issue 43 case 8: the plan check agrees with the step and with submit.py on every job ----------------
 
 def training_job(demo, *options):
