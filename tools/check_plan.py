@@ -46,6 +46,10 @@ before comparing with --gpu_memory_gib (default: this machine's GPU, else 80).
 With --cpu_offload the fake run has a single device, the CPU: the sharded parameters, gradients
 and AdamW state (and the optimizer step) that the real job keeps in host RAM are left out of the
 GPU figure and reported as host RAM.
+
+It also predicts the job's time, and the `--time` to ask for (tools/job_time.py, its `time:` line);
+with --time_limit (the templates give the job's time left), a job that limit would end before its
+first checkpoint is refused.
 """
 import argparse
 import gc
