@@ -344,7 +344,7 @@ def predict_time(args, step, ranks, flops, forward_flops, parameters, state, gpu
     mfu, source = job_time.mfu_for(known, kind)
     recomputed = forward_flops if getattr(args, "gradient_checkpointing", None) in ("full", True) else 0
     rows = args.total_batch_size or args.batch_size_per_device * ranks
-    speed = flops_per_s or PEAK_BF16_FLOPS[known] * mfu
+    speed = flops_per_s or PEAK_BF16_FLOPS[known] * mfu * job_time.WITH_RECOMPUTATION[kind]
     prediction = job_time.predict(flops, recomputed, rows * args.max_seq_length, ranks, speed,
                                   getattr(args, "max_steps", 100), getattr(args, "save_every", 0), parameters,
                                   state["parameters"] + state["optimizer"])
@@ -353,7 +353,8 @@ def predict_time(args, step, ranks, flops, forward_flops, parameters, state, gpu
     peak = f"{known}'s {PEAK_BF16_FLOPS[known] / 1e12:g} TFLOP/s{assumed}"
     prediction.update(gpu=known, mfu=mfu, flops_per_token=flops, recomputed_flops_per_token=recomputed,
                       speed=f"{speed / 1e12:.3g} TFLOP/s per GPU" if flops_per_s
-                      else f"{mfu:.1%} MFU ({source}) of {peak}")
+                      else f"{mfu:.1%} MFU ({source}; {mfu * job_time.WITH_RECOMPUTATION[kind]:.1%} with the "
+                           f"recomputation it ran with) of {peak}")
     return prediction
 
 

@@ -20,6 +20,10 @@ MEASURED_MFU = {"NVIDIA H100 80GB HBM3": {"full": 0.358, "lora": 0.261, "qlora":
 # Any other GPU: a round 30 % for a full fine-tune (below the H100's 35.8 %), the H100's figures for
 # LoRA and QLoRA (their frozen weights' small matmuls keep the GPU from its peak on any GPU).
 DEFAULT_MFU = {"full": 0.30, "lora": 0.261, "qlora": 0.242}
+# Those rows recomputed every layer (--gradient_checkpointing) and MFU counts useful FLOPs only: in the same
+# time the GPU also ran the recomputed forward, 2 FLOPs per weight on top of 6 (trained) or 4 (frozen). The
+# speed a job's FLOPs run at, its recomputation counted with them, is MFU x this.
+WITH_RECOMPUTATION = {"full": 8 / 6, "lora": 6 / 4, "qlora": 6 / 4}
 # A GPU the plan check cannot see (the login node has none) or whose peak common/metrics.py does not know.
 DEFAULT_GPU = "NVIDIA H100 80GB HBM3"
 READ_BYTES_PER_S = 0.5e9  # rank 0 reads the checkpoint from a shared file system under load
