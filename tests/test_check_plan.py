@@ -445,7 +445,7 @@ def test_time_line_and_the_time_to_ask_for(small_config, capsys):
     line = cp.time_line(result)
     assert line.startswith("time: 1000 steps x ") and line.endswith(f"ask for --time {t['request']} (+20%, at least "
                                                                     "10 minutes)")
-    assert ("35.8% MFU (the GPU check's on this GPU, benchmark/README.md; 47.7% with the recomputation it ran with) "
+    assert ("35.8% MFU (the GPU check's on that GPU, benchmark/README.md; 47.7% with the recomputation it ran with) "
             "of NVIDIA H100 80GB HBM3's 989 TFLOP/s") in line
     lora = cp.predict_time(args, "lora", 2, 1, 0, 1, result["state"],
                            gpu="NVIDIA A100-SXM4-80GB")

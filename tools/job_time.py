@@ -37,7 +37,7 @@ WARNING_S = 300  # Slurm's USR2 warning before the time limit (launch/step_launc
 def mfu_for(gpu, kind):
     """(MFU, where the figure comes from) for `kind` ("full", "lora", "qlora") on the GPU named `gpu`."""
     if kind in MEASURED_MFU.get(gpu, {}):
-        return MEASURED_MFU[gpu][kind], "the GPU check's on this GPU, benchmark/README.md"
+        return MEASURED_MFU[gpu][kind], "the GPU check's on that GPU, benchmark/README.md"
     return DEFAULT_MFU[kind], "the kit's default for a GPU the GPU check has not measured, tools/job_time.py"
 
 
