@@ -11,7 +11,9 @@ works out the gradient accumulation that keeps the total batch the same at any G
 submit.py prints it first, with the same function. Arguments after `--` go to the training
 script; its own parser checks them before anything is queued. For the FSDP steps (fsdp, lora, tp) the
 plan check (tools/check_plan.py) then runs the job's code on fake tensors, in seconds on the
-login node's CPU, and a job that cannot fit in --gpu_memory_gib is refused with what to change.
+login node's CPU, and a job that cannot fit in --gpu_memory_gib is refused with what to change; it also
+predicts the job's time (tools/job_time.py), which is the --time asked for when neither --time nor the
+site gives one.
 Run it on the login node, after the download step (compute nodes are offline). The site's settings
 (slurm/site.sh, see slurm/site.example.sh) give the defaults: partition, account, QoS, reservation,
 constraint, time limit, how GPUs are asked for, and each GPU's share of a node's CPUs and memory.
@@ -36,13 +38,14 @@ from common.errors import UserError, exit_on_user_error, first_line
 from common.model import load_config
 from common.tensor_parallel import tp_size_for
 from launch.steps import REPO, TRAINING_STEPS, check_training_arguments
-from tools import check_plan
+from tools import check_plan, job_time
 from launch.step_launcher import PREEMPTION_SIGNAL, PREEMPTION_WARNING_S, StepLauncher
 
 # Training arguments that submit.py sets itself, from its own options of the same name.
 MANAGED_ARGUMENTS = ("model", "data_dir", "output_dir", "total_batch_size", "batch_size_per_device", "tp_size")
 MAX_REQUEUES_AFTER_TIME_LIMIT = 20
 GPU_REQUESTS = ("gpus-per-node", "gres")
+DEFAULT_TIME = "02:00:00"  # steps 2 and 3, and a job the plan check cannot time: no --time, no site's
 SITE_LOADER = REPO / "slurm/use_site.sh"  # reads the site's file (slurm/site.sh, or KIT_SITE)
 # sbatch's input variables that would beat the job script's own #SBATCH lines: submit.py writes each
 # of these requests itself (from its options, whose defaults are the site's), so sbatch must not see them.
@@ -91,8 +94,9 @@ def parse_arguments(argv, site=None):
                help="how the site wants GPUs asked for: --gpus-per-node=N or --gres=gpu:N")
     parser.add("sbatch", action="append", default=[], metavar="OPTION=VALUE",
                help="any other sbatch option, as #SBATCH --OPTION=VALUE (repeat it), e.g. --sbatch mail-type=END")
-    parser.add("time", default=site.get("SBATCH_TIMELIMIT", "02:00:00"),
-               help="time limit: minutes, HH:MM:SS or D-HH:MM:SS (default: the site's, else 02:00:00)")
+    parser.add("time", default=site.get("SBATCH_TIMELIMIT"),
+               help="time limit: minutes, HH:MM:SS or D-HH:MM:SS (default: the site's, else the plan check's "
+                    f"--time for fsdp, lora and tp, else {DEFAULT_TIME})")
     parser.add("cpus_per_task", type=int,
                help="CPUs per node, for torchrun and its processes (default: the site's share per GPU, else 8 per GPU)")
     parser.add("mem_gb", type=int, help="memory per node in GB (default: the site's share per GPU, and at least what "
@@ -112,21 +116,7 @@ def parse_arguments(argv, site=None):
 
 def time_limit_minutes(text):
     """Slurm's time formats (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS) → whole minutes."""
-    match = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text.strip())
-    if not match:
-        raise UserError(f"--time {text!r} is not a Slurm time limit (minutes, HH:MM:SS or D-HH:MM:SS)")
-    days, first, second, third = match.groups()
-    # Past the first field, each counts up to the next: hours to 23 after a day, minutes and seconds to 59.
-    limits = [(24 if days is not None else None, first), (60, second), (60, third)]
-    if any(field is not None and limit is not None and int(field) >= limit for limit, field in limits):
-        raise UserError(f"--time {text!r} is not a Slurm time limit: after D- the hours run 0-23, and minutes and "
-                        "seconds 0-59 (e.g. 1-12:30:00 for a day and a half)")
-    if days is not None:  # D-HH[:MM[:SS]]
-        seconds = int(days) * 86400 + int(first) * 3600 + int(second or 0) * 60 + int(third or 0)
-    elif third is not None:  # HH:MM:SS
-        seconds = int(first) * 3600 + int(second) * 60 + int(third)
-    else:  # MM[:SS]
-        seconds = int(first) * 60 + int(second or 0)
+    seconds = job_time.slurm_seconds(text, "--time")
     if seconds < 60:
         raise UserError(f"--time {text!r} is shorter than a minute")
     return math.ceil(seconds / 60)
@@ -303,8 +293,8 @@ def main(argv):
     groups = devices // tp_size  # the devices, or step 6's tensor-parallel groups: they share out the batch
     accumulation = gradient_accumulation_steps(args.total_batch_size, args.batch_size_per_device, groups,
                                                ranks="ranks" if args.step != "tp" else "data-parallel groups")
-    timeout_min = time_limit_minutes(args.time)
-    warning_s = preemption_warning_s(timeout_min)
+    given_minutes = None if args.time is None else time_limit_minutes(args.time)
+    preemption_warning_s(given_minutes or 60)  # submitit's signal, before the plan check's seconds
     data_dir, output_dir = absolute(args.data_dir), absolute(args.output_dir or f"runs/{args.step}-%j")
     training_args = ["--model", model, "--data_dir", data_dir, "--output_dir", output_dir,
                      "--total_batch_size", str(args.total_batch_size),
@@ -318,16 +308,23 @@ def main(argv):
         # On several nodes, unless --sharding_strategy is given: HYBRID_SHARD where it fits, else FULL_SHARD.
         choose = check_plan.chooses_sharding(args.step, args.nodes, training_args)
         plan = check_plan.check_job(args.step, job, args.gpus, args.nodes, args.gpu_memory_gib, override="--force",
-                                    choose_sharding=choose)
+                                    choose_sharding=choose, time_limit_s=given_minutes and given_minutes * 60)
         if choose:
             training_args += ["--sharding_strategy", job.sharding_strategy]
+    # No --time and none from the site: the plan check's prediction with its margin, else the default.
+    time_source = "the site's" if args.time is not None and args.time == site.get("SBATCH_TIMELIMIT") else "--time"
+    if args.time is None:
+        args.time, time_source = ((plan["time"]["request"], "the plan check's prediction and margin") if plan
+                                  else (DEFAULT_TIME, "the default"))
+    timeout_min = time_limit_minutes(args.time)
+    warning_s = preemption_warning_s(timeout_min)
 
     mem_gb = memory_request_gb(args, plan["parameters"] if plan else None)
     executor, cpus_per_task = make_executor(args, timeout_min, warning_s, mem_gb)
     launcher = StepLauncher(args.step, args.gpus, cpus_per_task, training_args, warning_s)
     memory = f"{mem_gb} GB" if mem_gb else "the cluster's default memory"
     print(f"step {args.step}: {args.nodes} node(s) × {args.gpus} GPU(s) = {devices} process(es), {cpus_per_task} CPUs "
-          f"and {memory} per node, time limit {args.time}")
+          f"and {memory} per node, time limit {args.time} ({time_source})")
     if args.step == "tp":
         print(describe(args.total_batch_size, args.batch_size_per_device, groups, accumulation,
                        devices="data-parallel groups") + f"; tensor parallel over {tp_size} GPUs of each node")

@@ -76,13 +76,16 @@ TRAINING_ARGS=(--model "$MODEL" --data_dir "$DATA_DIR" --output_dir "$OUTPUT_DIR
 # Will it fit? The plan check runs this job's step-4 code on fake tensors, on the CPU, in seconds
 # (up to a minute for 7B on 64 GPUs), and stops a job that cannot fit, saying what to change,
 # before any weights load. GPU_MEMORY_GIB=40 for another GPU than this node's; FORCE=1 skips it.
+# It predicts the job's time too: a warning if the time left (squeue's %L) is shorter, and a
+# stop if the job would end before its first checkpoint.
 # On several nodes it also chooses the sharding, unless you gave --sharding_strategy: HYBRID_SHARD
 # (each node a replica, sharded over its own GPUs: the all-gathers stay on the node's NVLink) where
 # it fits, else FULL_SHARD; it says which, with both peaks, and does so again after a requeue.
 if [[ -z ${FORCE:-} ]] && ((${SLURM_RESTART_COUNT:-0} == 0 || SLURM_NNODES > 1)); then
+  TIME_LEFT=$(squeue -h -j "$SLURM_JOB_ID" -o %L) || TIME_LEFT=""  # e.g. 59:58; none: no time check
   SHARDING=$(python tools/check_plan.py --gpus_per_node "$GPUS_PER_NODE" --nodes "$SLURM_NNODES" \
     ${GPU_MEMORY_GIB:+--gpu_memory_gib "$GPU_MEMORY_GIB"} --override "FORCE=1 sbatch" --choose_sharding \
-    -- "${TRAINING_ARGS[@]}")
+    --time_limit "$TIME_LEFT" -- "${TRAINING_ARGS[@]}")
   [[ -z $SHARDING ]] || TRAINING_ARGS+=(--sharding_strategy "$SHARDING")
 fi
 

@@ -77,10 +77,14 @@ TRAINING_ARGS=(--model "$MODEL" --data_dir "$DATA_DIR" --output_dir "$OUTPUT_DIR
 # split into the job's tensor-parallel and data-parallel groups), on the CPU, in seconds (about
 # 2 minutes for a 70B model on 32 GPUs), and stops a job that cannot fit, saying what to change,
 # before any weights load. GPU_MEMORY_GIB=40 for another GPU than this node's; FORCE=1 skips it.
+# It predicts the job's time too: a warning if the time left (squeue's %L) is shorter, and a
+# stop if the job would end before its first checkpoint.
 # A requeued job was checked at its first start.
 if [[ -z ${FORCE:-} ]] && ((${SLURM_RESTART_COUNT:-0} == 0)); then
+  TIME_LEFT=$(squeue -h -j "$SLURM_JOB_ID" -o %L) || TIME_LEFT=""  # e.g. 59:58; none: no time check
   python tools/check_plan.py --step tp --gpus_per_node "$GPUS_PER_NODE" --nodes "$SLURM_NNODES" \
-    ${GPU_MEMORY_GIB:+--gpu_memory_gib "$GPU_MEMORY_GIB"} --override "FORCE=1 sbatch" -- "${TRAINING_ARGS[@]}"
+    ${GPU_MEMORY_GIB:+--gpu_memory_gib "$GPU_MEMORY_GIB"} --override "FORCE=1 sbatch" \
+    --time_limit "$TIME_LEFT" -- "${TRAINING_ARGS[@]}"
 fi
 
 # One torchrun per node (srun starts them); each starts one process per GPU. A failure anywhere

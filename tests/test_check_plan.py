@@ -341,6 +341,35 @@ def test_a_job_that_cannot_fit_is_refused_unless_forced(tmp_path):
     assert steps.returncode == 0 and "plan check" not in steps.stdout  # the FSDP steps only
 
 
+def test_submit_asks_for_the_predicted_time(monkeypatch, capsys):
+    """No --time and no site's: submit.py asks for the plan check's --time (issue 41 point 7); a --time
+    shorter than the job is kept, with a warning; one that ends it before its first checkpoint, refused.
+    In this process, as `python submit.py` runs main() (a subprocess each costs its imports again)."""
+    import submit
+    monkeypatch.setenv("PATH", str(Path(sys.executable).parent))  # no sbatch: nothing can be submitted
+    monkeypatch.setenv("KIT_SITE", "/nonexistent/site.sh")  # no site's time
+    monkeypatch.delenv("SBATCH_TIMELIMIT", raising=False)
+    monkeypatch.chdir(REPO)
+    assert submit.main(["--dry-run", "--step", "fsdp", "--gpus", "2"]) == 0
+    out = capsys.readouterr().out
+    request = next(line for line in out.splitlines() if line.startswith("time: ")).rsplit("ask for --time ", 1)[1]
+    hours, minutes, _ = map(int, request.split(" ")[0].split(":"))
+    assert f"time limit {request.split(' ')[0]} (the plan check's prediction and margin)" in out
+    assert f"#SBATCH --time={hours * 60 + minutes}" in out.splitlines()
+    long_job = ["--", "--max_steps", "100000000", "--save_every", "1000"]  # hours at an H100's speed
+    assert submit.main(["--dry-run", "--step", "fsdp", "--gpus", "2", "--time", "30", *long_job]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "#SBATCH --time=30" in out and any(line.startswith("warning: the time limit, 30.0 min, is shorter than "
+                                                              "the job") for line in out)
+    with pytest.raises(SystemExit) as exit_info:
+        submit.exit_on_user_error(lambda: submit.main(["--dry-run", "--step", "fsdp", "--gpus", "2", "--time", "1",
+                                                       "--", "--max_steps", "100000000"]))
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1
+    assert err.startswith("error: the time limit, 1.0 min, ends the job before its first checkpoint") and \
+        err.endswith("(--force runs it anyway)\n")
+
+
 # ---- issue 43 case 8: the plan check agrees with the step and with submit.py on every job ----------------
 
 def training_job(demo, *options):
@@ -392,3 +421,85 @@ def test_step_6_jobs_get_no_sharding_choice(demo, capsys):
                    + ["--tp_size", "1"]) == 0
     said = capsys.readouterr()
     assert said.out == "" and "HYBRID_SHARD" not in said.err and said.err.startswith("plan check: fits: "), said
+
+
+# ---- issue 41 point 7: the job's time --------------------------------------------------------------
+
+def test_time_line_and_the_time_to_ask_for(small_config, capsys):
+    """Steps x (FLOPs of a step on one GPU, recomputation included, at peak x MFU) + loading + checkpoints,
+    and the --time with its margin, in Slurm's format; in the report and in --json's figures."""
+    args = plan_options(small_config, "--gpus_per_node", 2, "--gradient_checkpointing", "--max_steps", 1000,
+                        "--save_every", 300)
+    result = run_plan(args)
+    t = result["time"]
+    assert 0 < t["recomputed_flops_per_token"] < t["flops_per_token"] / 2  # one more forward of a full fine-tune
+    rows = args.total_batch_size or 2 * 2  # batch 2 per GPU, 2 GPUs, no accumulation
+    # the GPU check's 35.8 % counts useful FLOPs of a run that recomputed too: the GPU ran 8/6 of them
+    step_s = rows * 256 * (t["flops_per_token"] + t["recomputed_flops_per_token"]) / 2 / (989e12 * 0.358 * 8 / 6)
+    assert t["step_s"] == pytest.approx(step_s) and t["gpu"] == "NVIDIA H100 80GB HBM3"
+    assert t["saves"] == 4 and t["steps"] == 1000  # steps 300, 600, 900 and the end
+    assert t["total_s"] == pytest.approx(t["loading_s"] + 1000 * t["step_s"] + 4 * t["save_s"])
+    assert t["request"] == cp.job_time.slurm_time(cp.job_time.request_seconds(t["total_s"]))
+    line = cp.time_line(result)
+    assert line.startswith("time: 1000 steps x ") and line.endswith(f"ask for --time {t['request']} (+20%, at least "
+                                                                    "10 minutes)")
+    assert ("35.8% MFU (the GPU check's on that GPU, benchmark/README.md; 47.7% with the recomputation it ran with) "
+            "of NVIDIA H100 80GB HBM3's 989 TFLOP/s") in line
+    lora = cp.predict_time(args, "lora", 2, 1, 0, 1, result["state"],
+                           gpu="NVIDIA A100-SXM4-80GB")
+    assert lora["mfu"] == 0.261 and "the kit's default for a GPU the GPU check has not measured" in lora["speed"]
+    assert "(assumed: NVIDIA L4 is not in common/metrics.py)" in cp.predict_time(
+        args, "fsdp", 2, 1, 0, 1, result["state"], gpu="NVIDIA L4")["speed"]
+    # Slurm's format; the margin: 20 %, at least 10 minutes, whole minutes
+    assert [cp.job_time.slurm_time(s) for s in (59, 3600, 90061)] == ["00:00:59", "01:00:00", "1-01:01:01"]
+    assert [cp.job_time.request_seconds(s) for s in (100, 36000)] == [720, 43200]
+
+
+@pytest.mark.quick
+def test_a_time_limit_shorter_than_the_job():
+    """A limit that ends the job before its first checkpoint (and before Slurm's warning can save one) is
+    refused in one line; one that only cuts it short is a warning; one that holds it, nothing."""
+    # 1,000 steps of 1 s on 8 GPUs, a checkpoint every 300 (4 in all) of 10 GB a rank, 1B parameters to load
+    t = cp.job_time.predict(1e9, 0, 8000, 8, 1e12, 1000, 300, 1e9, 1e10)
+    assert (t["step_s"], t["saves"], t["save_s"], t["loading_s"]) == (1.0, 4, 10.0, 64.0)
+    assert (t["first_checkpoint_s"], t["total_s"]) == (374.0, 1104.0)
+    slow = {"time": t}
+    assert cp.time_limit_verdict(slow, 3600, "--force") is None
+    assert cp.time_limit_verdict(slow, 600, "--force").startswith("warning: the time limit, 10.0 min, is shorter ")
+    with pytest.raises(cp.UserError) as refused:
+        cp.time_limit_verdict(slow, 240, "FORCE=1 sbatch")  # 4 minutes: Slurm's warning would come before the start
+    assert str(refused.value).startswith("the time limit, 4.0 min, ends the job before its first checkpoint (at ")
+    assert "\n" not in str(refused.value) and str(refused.value).endswith("(FORCE=1 sbatch runs it anyway)")
+    # a step longer than Slurm's warning leaves no time to save at the warning either
+    assert cp.job_time.killed_before_checkpoint(dict(t, step_s=400.0, first_checkpoint_s=1e9), 3600)
+
+
+def test_the_template_form_refuses_a_limit_before_the_first_checkpoint(demo, capsys):
+    """slurm/fsdp.sh's call, with squeue's time left: one error line before training."""
+    job = training_job(demo, "--gpus_per_node", 1, "--time_limit", "2:00") + ["--max_steps", "100000000"]
+    line, out = refusal(capsys, job)
+    assert line.startswith("error: the time limit, 2.0 min, ends the job before its first checkpoint")
+    assert "plan check: fits: " in out and "time: 100000000 steps x " in out
+
+
+def test_the_time_model_predicts_a_cpu_runs_step_times(demo, tmp_path):
+    """Against a real run's own step times (issue 41 point 7): one CPU run of step 4; its achieved FLOP/s
+    over steps 2 to 6 (the plan's FLOPs per token x the tokens a step computes / the steps' time), given to
+    the time model as the GPU's speed, predicts steps 7 to 16 within 35 % (a shared 2-core machine's noise)."""
+    from conftest import QUICK, read_metrics, run_step
+    from launch.steps import check_training_arguments
+    training = ["--model", demo / "model", "--data_dir", demo / "data", "--output_dir", tmp_path / "run",
+                "--max_steps", 16, "--total_batch_size", 8, "--batch_size_per_device", 4, *QUICK]
+    run_step("fsdp", training)
+    records = [record for record in read_metrics(tmp_path / "run") if "step_time_s" in record]
+    job = check_training_arguments("fsdp", list(map(str, training)))
+    result = cp.plan(job, 1, 1, "fsdp", 80)
+    t = result["time"]
+    # The run counts the tokens its loss sees (each row's last predicts nothing); it computes all 8 x 64, as the plan.
+    assert [record["tokens"] for record in records] == [8 * 63] * 16
+    calibration, predicted = records[1:6], records[6:]  # step 1 warms up
+    speed = t["flops_per_token"] * 8 * 64 * len(calibration) / sum(r["step_time_s"] for r in calibration)
+    time = cp.predict_time(job, "fsdp", 1, t["flops_per_token"], 0, result["parameters"], result["state"],
+                           flops_per_s=speed)
+    assert time["step_s"] * len(predicted) == pytest.approx(sum(r["step_time_s"] for r in predicted), rel=0.35)
+    assert cp.time_line(dict(result, time=time)).startswith("time: 16 steps x ")

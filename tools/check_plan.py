@@ -46,6 +46,10 @@ before comparing with --gpu_memory_gib (default: this machine's GPU, else 80).
 With --cpu_offload the fake run has a single device, the CPU: the sharded parameters, gradients
 and AdamW state (and the optimizer step) that the real job keeps in host RAM are left out of the
 GPU figure and reported as host RAM.
+
+It also predicts the job's time, and the `--time` to ask for (tools/job_time.py, its `time:` line);
+with --time_limit (the templates give the job's time left), a job that limit would end before its
+first checkpoint is refused.
 """
 import argparse
 import gc
@@ -68,6 +72,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore  # registers t
 from common.arguments import Parser, at_least, check_arguments
 from common.batch import gradient_accumulation_steps
 from common.errors import UserError, exit_on_user_error, first_line
+from common.metrics import PEAK_BF16_FLOPS, flops_per_token
 from common.model import build_model, check_max_seq_length
 from common.nf4 import quantize_frozen_linears, stored_bytes
 from common.optim import make_optimizer
@@ -75,7 +80,7 @@ from common.sharded_loading import give_storage
 from common.speed import prepare_layers
 from common.tensor_parallel import check_step_arguments, tp_size_for
 from launch.steps import check_training_arguments, load_step
-from tools import estimate_memory
+from tools import estimate_memory, job_time
 
 GiB = 1024 ** 3
 MAX_RANKS = 512
@@ -283,6 +288,7 @@ def plan(args, gpus_per_node, nodes=1, step="fsdp", gpu_memory_gib=None):
                                       f"{first_line(err)})") from None
             parameters = sum(p.numel() for p in model.parameters())
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            flops = flops_per_token(model, args.max_seq_length), forward_flops_per_token(model, args.max_seq_length)
             phase_peaks = tracker.phase_peaks
             del model, optimizer, tracker
     finally:
@@ -311,8 +317,68 @@ def plan(args, gpus_per_node, nodes=1, step="fsdp", gpu_memory_gib=None):
         if not result["fits"]:
             result["would_fit_with"] = changes_that_fit(shape, args, gpus_per_node, nodes, step, gpu_memory_gib,
                                                         tp_size)
+    result["time"] = predict_time(args, step, world_size, *flops, parameters, state)
     result["seconds"] = round(time.perf_counter() - started, 1)
     return result
+
+
+def forward_flops_per_token(model, seq_len):
+    """The forward pass's share of flops_per_token: 2 FLOPs per weight, a third of attention's. What full
+    activation checkpointing computes a second time (selective recomputes almost none of it)."""
+    config = model.config
+    weights = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, torch.nn.Linear))
+    return 2 * weights + 4 * config.num_hidden_layers * config.hidden_size * seq_len
+
+
+def this_gpu():
+    """The CUDA name of this machine's GPU (the templates run the check on the job's node), else None."""
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+
+
+def predict_time(args, step, ranks, flops, forward_flops, parameters, state, gpu=None, flops_per_s=None):
+    """tools/job_time.py's prediction for the job, at `flops_per_s` per GPU, else at the GPU's peak x
+    its MFU (the GPU check's measured figure where it has one); with where the speed comes from."""
+    gpu = gpu or this_gpu()
+    known = gpu if gpu in PEAK_BF16_FLOPS else job_time.DEFAULT_GPU
+    kind = "qlora" if getattr(args, "qlora", False) else "lora" if step == "lora" else "full"
+    mfu, source = job_time.mfu_for(known, kind)
+    recomputed = forward_flops if getattr(args, "gradient_checkpointing", None) in ("full", True) else 0
+    rows = args.total_batch_size or args.batch_size_per_device * ranks
+    speed = flops_per_s or PEAK_BF16_FLOPS[known] * mfu * job_time.WITH_RECOMPUTATION[kind]
+    prediction = job_time.predict(flops, recomputed, rows * args.max_seq_length, ranks, speed,
+                                  getattr(args, "max_steps", 100), getattr(args, "save_every", 0), parameters,
+                                  state["parameters"] + state["optimizer"])
+    assumed = "" if gpu == known else \
+        f" (assumed: {'no GPU here' if gpu is None else gpu + ' is not in common/metrics.py'})"
+    peak = f"{known}'s {PEAK_BF16_FLOPS[known] / 1e12:g} TFLOP/s{assumed}"
+    prediction.update(gpu=known, mfu=mfu, flops_per_token=flops, recomputed_flops_per_token=recomputed,
+                      speed=f"{speed / 1e12:.3g} TFLOP/s per GPU" if flops_per_s
+                      else f"{mfu:.1%} MFU ({source}; {mfu * job_time.WITH_RECOMPUTATION[kind]:.1%} with the "
+                           f"recomputation it ran with) of {peak}")
+    return prediction
+
+
+def time_line(result):
+    """One line: how long the job takes, and the --time to ask for."""
+    t = result["time"]
+    return (f"time: {t['steps']} steps x {t['step_s']:.3g} s + loading {job_time.duration(t['loading_s'])} + "
+            f"{t['saves']} checkpoint(s) x {t['save_s']:.0f} s = {job_time.duration(t['total_s'])}, at {t['speed']}; "
+            f"ask for --time {t['request']} (+{job_time.MARGIN:.0%}, at least {job_time.MIN_MARGIN_S // 60} minutes)")
+
+
+def time_limit_verdict(result, limit_s, override):
+    """Against the job's time limit: None where the job fits in it, else a warning line; a UserError
+    for a job that would be killed before its first checkpoint."""
+    t = result["time"]
+    if job_time.killed_before_checkpoint(t, limit_s):
+        raise UserError(f"the time limit, {job_time.duration(limit_s)}, ends the job before its first checkpoint "
+                        f"(at {job_time.duration(t['first_checkpoint_s'])}): ask for --time {t['request']} or "
+                        f"save sooner with --save_every ({override} runs it anyway)")
+    if limit_s < t["total_s"]:
+        return (f"warning: the time limit, {job_time.duration(limit_s)}, is shorter than the job "
+                f"({job_time.duration(t['total_s'])}): it will stop at a checkpoint and need a requeue or --resume "
+                f"to finish; --time {t['request']} runs it in one go")
+    return None
 
 
 def changes_that_fit(shape, args, gpus_per_node, nodes, step, gpu_memory_gib, tp_size=1):
@@ -398,7 +464,8 @@ COMPARE_RANKS = [1, 2, 4, 8, 64]
 # The options of a plan check that are the step script's own, with the same names and meaning.
 JOB_OPTIONS = ("model", "sharding_strategy", "shard_group_size", "precision", "max_seq_length",
                "batch_size_per_device", "gradient_checkpointing", "loss_chunk_size", "cpu_offload",
-               "accumulate_unsharded", "trust_remote_code", "lora_rank", "lora_target_modules", "optimizer", "tp_size")
+               "accumulate_unsharded", "trust_remote_code", "lora_rank", "lora_target_modules", "optimizer", "tp_size",
+               "max_steps", "save_every")
 
 
 def step_of(args):
@@ -456,7 +523,7 @@ def report(result):
               + (" (in host RAM: --cpu_offload)" if result["cpu_offload"] else ""),
               f"estimate_memory.py's formulas for the same job: peak {size(result['estimate']['peak'])}"
               if result["estimate"] else "estimate_memory.py's formulas do not know this model", "",
-              loading_line(result["parameters"]), verdict_line(result)]
+              loading_line(result["parameters"]), time_line(result), verdict_line(result)]
     return "\n".join(lines)
 
 
@@ -508,11 +575,14 @@ def loading_line(parameters):
             "(fp32 weights, 1.5 x while reading the checkpoint): a node's memory request needs that much")
 
 
-def check_job(step, args, gpus_per_node, nodes, gpu_memory_gib, override, choose_sharding=False, out=None):
+def check_job(step, args, gpus_per_node, nodes, gpu_memory_gib, override, choose_sharding=False, out=None,
+              time_limit_s=None):
     """The check before a job starts (submit.py, the Slurm templates): one verdict line, or a
     UserError naming the figure and what to change; `override` says how to run it anyway. With
     `choose_sharding` and several nodes, the job's sharding is the check's choice (choose_sharding);
-    `args.sharding_strategy` says which it is. Returns the plan, or None where it cannot run."""
+    `args.sharding_strategy` says which it is. With `time_limit_s`, a job that would be killed before its
+    first checkpoint is refused too, and one longer than the limit warned of. Returns the plan, or None
+    where it cannot run."""
     out = out or sys.stdout  # read at the call: a test (or a caller) may have replaced it
     try:
         if choose_sharding and nodes > 1:
@@ -526,6 +596,9 @@ def check_job(step, args, gpus_per_node, nodes, gpu_memory_gib, override, choose
         raise UserError(f"{verdict_line(result)} ({override} runs it anyway)")
     print(f"{verdict_line(result)} ({result['seconds']:.0f} s)", file=out, flush=True)
     print(loading_line(result["parameters"]), file=out, flush=True)
+    print(time_line(result), file=out, flush=True)
+    if time_limit_s is not None and (warning := time_limit_verdict(result, time_limit_s, override)):
+        print(warning, file=out, flush=True)
     return result
 
 
@@ -579,13 +652,20 @@ def check_training_job(argv):
     parser.add("choose_sharding", action="store_true",
                help="several nodes and no --sharding_strategy: choose HYBRID_SHARD where it fits, else FULL_SHARD, "
                     "and print the choice alone on stdout")
+    parser.add("time_limit", default="",
+               help="the job's time limit or time left, in Slurm's format (squeue -o %%L): refuse a job it would end "
+                    "before its first checkpoint, warn of one longer (empty or UNLIMITED: none)")
     args = parser.parse_args(own)
+    limit = args.time_limit.strip()
+    time_limit_s = None if limit in ("", "UNLIMITED", "NOT_SET", "INVALID") else \
+        job_time.slurm_seconds(limit, "--time_limit")
     if args.gpu_memory_gib is not None and not (math.isfinite(args.gpu_memory_gib) and args.gpu_memory_gib > 0):
         raise UserError(f"--gpu_memory_gib must be positive (got {args.gpu_memory_gib:g})")
     job = check_training_arguments(args.step, training_args)
     choose = args.choose_sharding and chooses_sharding(args.step, args.nodes, training_args)
     out = sys.stderr if args.choose_sharding else sys.stdout
-    result = check_job(args.step, job, args.gpus_per_node, args.nodes, args.gpu_memory_gib, args.override, choose, out)
+    result = check_job(args.step, job, args.gpus_per_node, args.nodes, args.gpu_memory_gib, args.override, choose, out,
+                       time_limit_s)
     if choose and result is not None:
         print(job.sharding_strategy, flush=True)
     return 0
@@ -595,7 +675,10 @@ def parse_arguments(argv=None):
     parser = Parser(__doc__.split("\n\n")[0])
     estimate_memory.add_job_options(parser)
     parser.add("trust_remote_code", action="store_true", help="let the model directory's own code build the model")
-    parser.add("json", action="store_true", help="print the figures as JSON (bytes)")
+    parser.add("max_steps", type=at_least(1), default=100, help="optimiser steps, for the time line")
+    parser.add("save_every", type=at_least(0), default=0,
+               help="a checkpoint every N steps (0: only at the end), for the time line")
+    parser.add("json", action="store_true", help="print the figures as JSON (bytes, seconds)")
     parser.add("compare_table", action="store_true",
                help=f"markdown: this check next to estimate_memory.py at {COMPARE_RANKS} ranks x every strategy, "
                     "with and without activation checkpointing and LoRA (about 80 plan checks)")
