@@ -126,9 +126,10 @@ READ_AT_IMPORT = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "DATASETS", "TORCH", "PY
                   "PYTHON", "LD_", "HOME", "XDG_", "CUDA", "TMPDIR")
 
 
-def run_python(args, env=None, timeout=600, cwd=REPO):
+def run_python(args, env=None, timeout=600, cwd=REPO, check=False):
     """`python SCRIPT ARGS` (or -m MODULE ARGS) as subprocess.run(..., capture_output=True, text=True) runs
-    it (stdin: nothing; `env`, else this one with a thread per process), by WarmPython where it can."""
+    it (stdin: nothing; `env`, else this one with a thread per process; `check` as there), by WarmPython
+    where it can."""
     command = [sys.executable, *map(str, args)]
     env = env if env is not None else {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -136,9 +137,13 @@ def run_python(args, env=None, timeout=600, cwd=REPO):
         return {name: value for name, value in env.items() if name.startswith(READ_AT_IMPORT)}
     warm_env = WarmPython.env or {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     if (str(args[0]).startswith("-") and args[0] != "-m") or read_at_import(env) != read_at_import(warm_env):
-        return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd,
-                              stdin=subprocess.DEVNULL)
-    return WarmPython.run(command, env, timeout, cwd)
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd,
+                                stdin=subprocess.DEVNULL)
+    else:
+        result = WarmPython.run(command, env, timeout, cwd)
+    if check and result.returncode != 0:
+        raise subprocess.CalledProcessError(result.returncode, command, result.stdout, result.stderr)
+    return result
 
 
 def run_ranks(tmp_path, source, nproc=2, timeout=300):

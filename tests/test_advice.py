@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import QUICK, REPO, run_step, run_python
+from conftest import QUICK, REPO, run_python, run_step
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 ONE_STEP = QUICK + ["--max_steps", 1, "--total_batch_size", 2, "--batch_size_per_device", 2]

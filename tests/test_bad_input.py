@@ -21,8 +21,8 @@ from common import checkpoint
 from common.errors import UserError
 from common.run_dir import is_complete
 from launch.steps import load_step
-from conftest import (RANKS, REPO, RESUMABLE, STEP_SCRIPTS, assert_same_run, demo_args, read_metrics, run_ranks,
-                      run_step, with_changed)
+from conftest import (RANKS, REPO, RESUMABLE, STEP_SCRIPTS, assert_same_run, demo_args, read_metrics, run_python,
+                      run_ranks, run_step, with_changed)
 
 
 SPLIT = ["--total_batch_size", 8, "--batch_size_per_device", 2]  # 1 × 2 × 4 or 2 ranks × 2 × 2
@@ -237,6 +237,19 @@ def test_batch_settings_that_do_not_fit(demo, existing_run, flags, words):
     assert words in refused(demo, existing_run, *flags)
 
 
+def test_a_fresh_python_refuses_with_the_same_one_line(demo, existing_run):
+    """The suite runs step 2 in a child of a Python that has imported its libraries already
+    (tests/warm_python.py); a user's `python` starts cold and imports them itself: what it prints
+    (no warning of an import, say) and its exit status must be the same."""
+    args = [STEP_SCRIPTS["single"], *demo_args(demo, existing_run), "--max_steps", 4, "--resume", "--warmup_steps", 10]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cold = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, env=env, cwd=REPO,
+                          timeout=300)
+    warm = run_python(args, env)
+    assert (cold.returncode, cold.stdout, cold.stderr) == (warm.returncode, warm.stdout, warm.stderr)
+    assert cold.returncode == 2 and cold.stderr.startswith("error: --warmup_steps") and cold.stderr.count("\n") == 1
+
+
 def test_more_ranks_than_data(demo, tmp_path):
     """4 ranks, 2 short games: not even one row per rank."""
     data = data_copy(demo, tmp_path)
@@ -323,7 +336,7 @@ def test_a_step_of_one_process_per_gpu_started_with_python_gives_the_torchrun_co
     args = [str(arg) for arg in demo_args(demo, tmp_path / "run")]
     env = {name: value for name, value in os.environ.items()
            if name not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-    result = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, cwd=REPO, env=env)
+    result = run_python([script, *args], env=env)
     line = one_error_line(result)
     assert result.returncode == 2 and f"run `torchrun --nproc-per-node N {script} {' '.join(args)}`" in line, line
     assert not (tmp_path / "run").exists()
@@ -366,7 +379,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(demo, tmp_path
 @pytest.mark.parametrize("script", ["01_download/download.py", "02_singlegpu/train.py", "03_ddp/train.py",
                                     "04_fsdp/train.py"])
 def test_every_script_answers_help(script):
-    result = subprocess.run([sys.executable, str(REPO / script), "--help"], capture_output=True, text=True)
+    result = run_python([REPO / script, "--help"])
     assert result.returncode == 0 and "usage:" in result.stdout
 
 
@@ -439,9 +452,7 @@ runpy.run_path(script, run_name="__main__")
 
 def launched(command, timeout=300):
     """2 ranks under python -m launch.torchrun, as the Slurm templates start them."""
-    return subprocess.run([sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc-per-node=2",
-                           *map(str, command)], capture_output=True, text=True, timeout=timeout, cwd=REPO,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
+    return run_python(["-m", "launch.torchrun", "--standalone", "--nproc-per-node=2", *command], timeout=timeout)
 
 
 def launched_error_line(result):

@@ -13,15 +13,14 @@ import pytest
 
 from common.notation import game_text
 from benchmark import run as benchmark_run
-from conftest import REPO
+from conftest import REPO, run_python
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def run_script(script, *args, timeout=300):
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run([sys.executable, str(REPO / script), *[str(a) for a in args]], capture_output=True,
-                          text=True, timeout=timeout, env=env, cwd=REPO)
+    return run_python([REPO / script, *args], timeout=timeout, env=env)
 
 
 def per_device_and_accumulation(extra):

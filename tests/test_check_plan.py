@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_python
+from conftest import QUICK, REPO, read_metrics, run_python, run_step
+from launch.steps import check_training_arguments
 from tools import check_plan as cp
 
 PLAN_CHECK = REPO / "tools" / "check_plan.py"
@@ -486,8 +487,6 @@ def test_the_time_model_predicts_a_cpu_runs_step_times(demo, tmp_path):
     """Against a real run's own step times (issue 41 point 7): one CPU run of step 4; its achieved FLOP/s
     over steps 2 to 6 (the plan's FLOPs per token x the tokens a step computes / the steps' time), given to
     the time model as the GPU's speed, predicts steps 7 to 16 within 35 % (a shared 2-core machine's noise)."""
-    from conftest import QUICK, read_metrics, run_step
-    from launch.steps import check_training_arguments
     training = ["--model", demo / "model", "--data_dir", demo / "data", "--output_dir", tmp_path / "run",
                 "--max_steps", 16, "--total_batch_size", 8, "--batch_size_per_device", 4, *QUICK]
     run_step("fsdp", training)

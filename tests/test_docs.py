@@ -18,11 +18,11 @@ import os
 import re
 import shlex
 import subprocess
-import sys
 from functools import cache
 from pathlib import Path
 
 import pytest
+from conftest import run_python
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.quick
@@ -184,7 +184,7 @@ def has_option(script, option):
 def options_in_help(script):
     if not re.search(r"\bParser\(|ArgumentParser\(", (REPO / script).read_text()):
         return set()  # no argparse of its own: --help could run it
-    helped = subprocess.run([sys.executable, script, "--help"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    helped = run_python([script, "--help"], timeout=120)
     return {option.replace("-", "_") for option in re.findall(r"(?<![\w-])--[a-zA-Z][\w-]*", helped.stdout)}
 
 

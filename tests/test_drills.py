@@ -8,12 +8,10 @@ are not hangs, and get a watchdog that a busy machine's slow start never trips.
 """
 import json
 import re
-import subprocess
-import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, run_python
 
 TIMEOUT_S = 20
 NO_HANG_S = 300
@@ -21,17 +19,15 @@ NO_HANG_S = 300
 
 def drill(name, folder, demo, seed, timeout_s=NO_HANG_S):
     """Start the drill `name` (seeded) in `folder`; its record and its log."""
-    subprocess.run([sys.executable, "workshop/drills.py", "start", name, "--folder", str(folder), "--seed", str(seed),
-                    "--demo", str(demo), "--ranks", "2", "--collective_timeout", str(timeout_s)],
-                   cwd=REPO, check=True, capture_output=True, text=True, timeout=600)
+    run_python(["workshop/drills.py", "start", name, "--folder", folder, "--seed", seed, "--demo", demo, "--ranks",
+                "2", "--collective_timeout", timeout_s], check=True, timeout=600)
     return json.loads((folder / "drill.json").read_text()), (folder / "log.txt").read_text()
 
 
 def answer(name, folder, **given):
     """`drills.py answer` with `given` as its options; (exit status, what it said)."""
     options = [word for question, value in given.items() for word in (f"--{question}", str(value))]
-    said = subprocess.run([sys.executable, "workshop/drills.py", "answer", name, "--folder", str(folder), *options],
-                          cwd=REPO, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    said = run_python(["workshop/drills.py", "answer", name, "--folder", folder, *options], timeout=60)
     return said.returncode, said.stdout + said.stderr
 
 

@@ -9,14 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, demo_args, run_step
+from conftest import REPO, demo_args, run_python, run_step
 
 EXPORT = REPO / "tools/export.py"
 
 
 def export(checkpoint, out_dir):
-    return subprocess.run([sys.executable, str(EXPORT), str(checkpoint), str(out_dir)],
-                          capture_output=True, text=True, cwd=REPO, timeout=300)
+    return run_python([EXPORT, checkpoint, out_dir], timeout=300)
 
 
 @pytest.fixture(scope="module")

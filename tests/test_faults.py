@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import REPO, RESUMABLE, RESUMABLE_STEPS, STEP_SCRIPTS, assert_same_run, demo_args, run_step
+from conftest import REPO, RESUMABLE, RESUMABLE_STEPS, STEP_SCRIPTS, assert_same_run, demo_args, run_python, run_step
 
 STEPS = RESUMABLE_STEPS
 SAVE_EVERY = 2  # as in RESUMABLE
@@ -281,8 +281,7 @@ def test_a_crash_under_the_launcher_ends_with_torchruns_report(tmp_path):
     # character by character on the one stderr ("RuntimeErrorRuntimeError: : a buga bug")
     crash.write_text('import os, time\n'
                      'if os.environ["RANK"] == "0":\n    raise RuntimeError("a bug")\ntime.sleep(60)\n')
-    result = subprocess.run([sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc-per-node=2", str(crash)],
-                            capture_output=True, text=True, timeout=120, cwd=REPO)
+    result = run_python(["-m", "launch.torchrun", "--standalone", "--nproc-per-node=2", crash], timeout=120)
     assert result.returncode == 1, result.stderr[-3000:]
     assert "RuntimeError: a bug" in result.stderr and "Root Cause (first observed failure)" in result.stderr
     assert "failed (exitcode: 1)" in result.stderr, result.stderr[-3000:]  # one of the records it held back

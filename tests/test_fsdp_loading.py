@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import QUICK, REPO, read_metrics, run_step
+from conftest import QUICK, REPO, read_metrics, run_python, run_step
 
 
 def test_only_rank0_holds_a_full_copy_while_loading(tmp_path):
@@ -65,7 +65,6 @@ def test_random_weights_need_only_the_config(demo, tmp_path):
 ])
 def test_bad_options_are_one_error_line(option, value, says):
     """Issue 36: a bad option of a tool is one error line before any work, not a traceback."""
-    done = subprocess.run([sys.executable, str(REPO / "tools/measure_loading.py"), option, str(value)],
-                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    done = run_python([REPO / "tools/measure_loading.py", option, value], timeout=120)
     assert done.returncode == 2 and done.stdout == "" and done.stderr.startswith(f"error: {says}"), done.stderr[-2000:]
     assert done.stderr.count("\n") == 1

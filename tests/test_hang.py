@@ -18,7 +18,7 @@ import time
 import psutil
 import pytest
 
-from conftest import REPO, STEP_SCRIPTS, demo_args, run_step, with_changed
+from conftest import REPO, STEP_SCRIPTS, demo_args, run_python, run_step, with_changed
 from test_faults import ranks_of
 
 TIMEOUT_S = 10
@@ -228,9 +228,8 @@ def test_a_rank_that_sticks_or_skips_a_collective_ends_the_job_with_one_line(tmp
     named by what each rank issued (the Flight Recorder), whether or not its stack shows it."""
     script = tmp_path / "ranks.py"
     script.write_text(RANKS)
-    done = subprocess.run([sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc-per-node=2",
-                           str(script), case, str(tmp_path / "hang")], capture_output=True, text=True, timeout=120,
-                          cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = run_python(["-m", "launch.torchrun", "--standalone", "--nproc-per-node=2", script, case,
+                       tmp_path / "hang"], timeout=120)
     assert done.returncode == 3, done.stderr[-3000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and re.search(said, errors[0]), done.stderr[-3000:]
@@ -253,9 +252,8 @@ def test_a_hang_folder_that_fails_leaves_the_watchdog_watching(tmp_path, tmpfs, 
         hang = disk / "hang"
     script = tmp_path / "ranks.py"
     script.write_text(RANKS)
-    done = subprocess.run([sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc-per-node=2",
-                           str(script), "sticks in I/O", str(hang)], capture_output=True, text=True, timeout=120,
-                          cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = run_python(["-m", "launch.torchrun", "--standalone", "--nproc-per-node=2", script, "sticks in I/O", hang],
+                      timeout=120)
     assert done.returncode == 3, done.stderr[-3000:]  # the watchdog's end (without it: gloo's, after 60 s)
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith("error: no progress for 3 s in checkpoint of step 2"), \

@@ -2,12 +2,11 @@
 checkpointed and saved; the saved adapter loads with peft alone and gives the trained model's
 validation loss; a LoRA run resumes exactly. QLoRA: tests/test_qlora.py."""
 import shutil
-import sys
 
 import pytest
 import torch
 
-from conftest import REPO, demo_args, read_metrics, run_step
+from conftest import REPO, demo_args, read_metrics, run_python, run_step
 
 from common.chess_eval import validation_loss_sums
 from common.prepare_data import prepared_rows
@@ -80,8 +79,6 @@ def test_lora_run_resumes_exactly(lora_run, demo, tmp_path):
 
 
 def test_export_refuses_a_lora_checkpoint(lora_run, tmp_path):
-    import subprocess
-    done = subprocess.run([sys.executable, str(REPO / "tools/export.py"), str(lora_run / "checkpoints/step-000010"),
-                           str(tmp_path / "out")], capture_output=True, text=True, cwd=REPO)
+    done = run_python([REPO / "tools/export.py", lora_run / "checkpoints/step-000010", tmp_path / "out"])
     assert done.returncode == 2 and "error:" in done.stderr and "LoRA adapters only" in done.stderr
     assert not (tmp_path / "out").exists()

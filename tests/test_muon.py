@@ -15,7 +15,7 @@ import sys
 import pytest
 from safetensors.torch import load_file
 
-from conftest import EQUIVALENCE, REPO, RESUMABLE, assert_same_run, demo_args, read_metrics, run_step, run_python
+from conftest import EQUIVALENCE, REPO, RESUMABLE, assert_same_run, demo_args, read_metrics, run_python, run_step
 from test_resume import kill_after_first_checkpoint
 
 MUON = ["--optimizer", "muon"]

@@ -6,11 +6,10 @@ pictures' figures must be those the code measures now."""
 import json
 import shutil
 import subprocess
-import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, run_python
 
 STEPS = ["02_singlegpu", "03_ddp", "04_fsdp", "05_lora", "06_tp"]
 PICTURES = [*STEPS, "06_tp_mesh", "holdings", "timeline"]
@@ -20,9 +19,8 @@ MODEL_STATE = ("parameters", "gradients", "optimizer state")
 @pytest.fixture(scope="module")
 def pictures(demo, tmp_path_factory):
     out = tmp_path_factory.mktemp("pictures")
-    subprocess.run([sys.executable, str(REPO / "workshop/pictures.py"), "--out", str(out),
-                    "--model", str(demo / "model"), "--data_dir", str(demo / "data")],
-                   check=True, capture_output=True, text=True, timeout=600, cwd=REPO)
+    run_python([REPO / "workshop/pictures.py", "--out", out, "--model", demo / "model", "--data_dir", demo / "data"],
+               check=True, timeout=600)
     return out, json.loads((out / "measured.json").read_text())
 
 

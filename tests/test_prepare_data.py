@@ -29,7 +29,7 @@ from common.errors import UserError
 from common.lock import holder, try_lock, wait_for_lock
 from common.prepare_data import default_cache_dir, encoder_of, prepared_rows, read_games
 from launch.steps import load_step
-from conftest import REPO
+from conftest import REPO, run_python
 from test_bad_input import BAD_DATA, replace_line
 
 
@@ -511,9 +511,8 @@ def test_the_prepare_command_refuses_what_training_would(demo, tmp_path, case):
     if case == "data-dir-link-loop":
         data = tmp_path / "loop"
         data.symlink_to("loop")
-    done = subprocess.run([sys.executable, str(REPO / "01_download/prepare.py"), "--model", str(demo / "model"),
-                           "--data_dir", str(data), "--prepared_dir", str(tmp_path / "cache"), "--max_seq_length",
-                           str(length)], capture_output=True, text=True, timeout=300)
+    done = run_python([REPO / "01_download/prepare.py", "--model", demo / "model", "--data_dir", data,
+                       "--prepared_dir", tmp_path / "cache", "--max_seq_length", length], timeout=300)
     errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
     assert done.returncode == 2 and len(errors) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert "validation: 0 rows" not in done.stdout

@@ -3,7 +3,6 @@ it back the same), the out-of-memory rule (recognised in a log, stops the doubli
 only), the Slurm job array as --dry-run prints it without Slurm, and one-line refusals."""
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import pytest
 from common.errors import UserError
 from benchmark import run as benchmark_run
 from benchmark import sweep as sweep_module
-from conftest import REPO
+from conftest import run_python
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # What torchrun's log holds when a rank runs out of GPU memory (PyTorch 2.x, abridged).
@@ -34,8 +33,7 @@ torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
 
 def run_sweep(*args, env=None, timeout=120):
     env = env or {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run([sys.executable, "benchmark/sweep.py", *map(str, args)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return run_python(["benchmark/sweep.py", *args], env=env, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

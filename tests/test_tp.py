@@ -139,9 +139,8 @@ def test_refuses_a_model_whose_layers_do_not_split(demo, tmp_path):
     (model / "config.json").write_text(config.replace('"intermediate_size": 344', '"intermediate_size": 345'))
     args = ["--model", model, "--data_dir", demo / "data", "--output_dir", tmp_path / "run", *QUICK,
             "--max_steps", 2, "--tp_size", 2]
-    result = subprocess.run([sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc-per-node=2",
-                             str(STEP_SCRIPTS["tp"]), *map(str, args)], cwd=REPO, capture_output=True, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    result = run_python(["-m", "launch.torchrun", "--standalone", "--nproc-per-node=2", STEP_SCRIPTS["tp"], *args],
+                        timeout=300)
     errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("error:")]
     assert result.returncode != 0 and len(errors) == 1, result.stdout + result.stderr[-3000:]
     assert errors[0].startswith(f"error: --tp_size 2: {model} has 345 intermediate size, which do not split into 2 "
@@ -241,9 +240,8 @@ def test_a_model_step_6_cannot_split_is_refused_before_its_weights_are_read(demo
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(demo / "model" / name, model)
     args = ["--model", model, "--data_dir", demo / "data", "--output_dir", tmp_path / "run", *QUICK, "--max_steps", 2]
-    result = subprocess.run([sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc-per-node=2",
-                             str(STEP_SCRIPTS["tp"]), *map(str, args)], cwd=REPO, capture_output=True, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    result = run_python(["-m", "launch.torchrun", "--standalone", "--nproc-per-node=2", STEP_SCRIPTS["tp"], *args],
+                        timeout=300)
     output = result.stdout + result.stderr
     lines = [line for line in output.splitlines() if line.strip()]
     assert result.returncode == 2 and len(lines) == 1, output[-3000:]
@@ -256,9 +254,8 @@ def test_evaluation_too_small_for_the_data_parallel_groups_says_so(demo, tmp_pat
     --tp_size 2 the same 2 groups): the line counts the groups that share out the evaluation."""
     args = ["--model", demo / "model", "--data_dir", demo / "data", "--output_dir", tmp_path / "run",
             "--max_seq_length", 64, "--max_steps", 1, "--eval_rows", 1, "--eval_games", 8, "--tp_size", 1]
-    result = subprocess.run([sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc-per-node=2",
-                             str(STEP_SCRIPTS["tp"]), *map(str, args)], cwd=REPO, capture_output=True, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    result = run_python(["-m", "launch.torchrun", "--standalone", "--nproc-per-node=2", STEP_SCRIPTS["tp"], *args],
+                        timeout=300)
     errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("error:")]
     assert result.returncode == 2 and errors == [
         "error: the validation data gives 1 rows, fewer than the 2 data-parallel groups that evaluate them: use more "

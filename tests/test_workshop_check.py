@@ -1,17 +1,14 @@
 """workshop/check.py, the exercises' checker, on real small runs of every step: it says `right:` (exit 0)
 for the result each step's lesson predicts, `wrong:` (exit 1) with the reason for a run that departs from
 it, and one `error:` line (exit 2) for folders it cannot compare."""
-import subprocess
-import sys
 
 import pytest
 
-from conftest import REPO, demo_args, run_step
+from conftest import REPO, demo_args, run_python, run_step
 
 
 def check(*args):
-    result = subprocess.run([sys.executable, str(REPO / "workshop/check.py"), *map(str, args)],
-                            capture_output=True, text=True, cwd=REPO, timeout=60)
+    result = run_python([REPO / "workshop/check.py", *args], timeout=60)
     return result.returncode, result.stdout + result.stderr
 
 
