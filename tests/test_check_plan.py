@@ -51,10 +51,13 @@ def run_plan(args):
 
 # (GPUs per node, nodes, strategy, options): every strategy, with and without activation
 # checkpointing and LoRA, CPU offload, gradient accumulation with and without --accumulate_unsharded.
-AGREEMENT = [(2, 1, "FULL_SHARD", ()), (2, 1, "FULL_SHARD", ("--gradient_checkpointing",)),
-             (2, 1, "FULL_SHARD", ("--lora", "--gradient_checkpointing")),
+# The quick tier checks four of them (several seconds each), the whole suite every one.
+QUICK_AGREEMENT = [pytest.param(*case, marks=pytest.mark.quick) for case in (
+    (2, 1, "FULL_SHARD", ()), (2, 1, "FULL_SHARD", ("--gradient_checkpointing",)),
+    (2, 1, "FULL_SHARD", ("--lora", "--gradient_checkpointing")), (2, 2, "HYBRID_SHARD", ()))]
+AGREEMENT = [*QUICK_AGREEMENT,
              (2, 1, "SHARD_GRAD_OP", ("--gradient_checkpointing",)), (2, 1, "NO_SHARD", ("--lora",)),
-             (2, 2, "HYBRID_SHARD", ()), (4, 1, "FULL_SHARD", ("--cpu_offload", "--gradient_checkpointing")),
+             (4, 1, "FULL_SHARD", ("--cpu_offload", "--gradient_checkpointing")),
              (4, 1, "FULL_SHARD", ("--total_batch_size", 24)),
              (4, 1, "FULL_SHARD", ("--total_batch_size", 24, "--accumulate_unsharded")),
              (4, 1, "SHARD_GRAD_OP", ("--lora", "--total_batch_size", 16, "--accumulate_unsharded")),
@@ -67,7 +70,6 @@ AGREEMENT = [(2, 1, "FULL_SHARD", ()), (2, 1, "FULL_SHARD", ("--gradient_checkpo
              (2, 1, "FULL_SHARD", ("--lora", "--gradient_checkpointing", "selective", "--loss_chunk_size", 128))]
 
 
-@pytest.mark.quick
 @pytest.mark.parametrize("per_node,nodes,strategy,extra", AGREEMENT)
 def test_plan_check_and_estimate_agree(small_config, per_node, nodes, strategy, extra):
     result = run_plan(plan_options(small_config, "--gpus_per_node", per_node, "--nodes", nodes,
@@ -130,11 +132,10 @@ def test_muons_momentum_and_buckets_are_counted(small_config, extra):
 # ---- step 6: tensor parallel x FSDP on a fake (dp, tp) mesh -------------------------------------------
 
 # (GPUs per node, nodes, --tp_size, options)
-TP_AGREEMENT = [(2, 1, 2, ()), (4, 1, 2, ("--gradient_checkpointing",)), (2, 2, 2, ("--total_batch_size", 8)),
-                (4, 1, 4, ("--sharding_strategy", "SHARD_GRAD_OP"))]
+TP_AGREEMENT = [pytest.param(2, 1, 2, (), marks=pytest.mark.quick), (4, 1, 2, ("--gradient_checkpointing",)),
+                (2, 2, 2, ("--total_batch_size", 8)), (4, 1, 4, ("--sharding_strategy", "SHARD_GRAD_OP"))]
 
 
-@pytest.mark.quick
 @pytest.mark.parametrize("per_node,nodes,tp_size,extra", TP_AGREEMENT)
 def test_tensor_parallel_plan_and_estimate_agree(small_config, per_node, nodes, tp_size, extra):
     """Step 6's own parallelize_and_shard on fake tensors: each rank keeps 1/world_size of the state

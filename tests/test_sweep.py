@@ -32,7 +32,7 @@ torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
 
 
 def run_sweep(*args, env=None, timeout=120):
-    env = env or {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    env = env or {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     return run_python(["benchmark/sweep.py", *args], env=env, timeout=timeout)
 
 
