@@ -160,6 +160,14 @@ def flops_per_token(model, seq_len):
     return flops
 
 
+def forward_flops_per_token(model, seq_len):
+    """The forward pass's share of flops_per_token: 2 FLOPs per weight, a third of attention's. What full
+    activation checkpointing computes a second time (selective recomputes almost none of it)."""
+    config = model.config
+    weights = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, torch.nn.Linear))
+    return 2 * weights + 4 * config.num_hidden_layers * config.hidden_size * seq_len
+
+
 def peak_flops(device):
     """(the dense bf16 peak FLOP/s of this GPU, its name), or (None, name) for a GPU not in the table."""
     name = torch.cuda.get_device_name(device)

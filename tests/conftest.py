@@ -76,16 +76,19 @@ def tmpfs(tmp_path):
         subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
+def one_thread_env():
+    """This environment, with one thread per process (the ranks share the machine's cores)."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
 def run_step(step, args, nproc=1, timeout=600, check=True):
     """Run a training step the way a user does: plain python for step 2, torchrun for the others."""
     if step == "single":
-        command = [sys.executable, str(STEP_SCRIPTS[step])]
+        command = [STEP_SCRIPTS[step]]
     else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={nproc}", str(STEP_SCRIPTS.get(step, step))]  # or a script's path
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    command += [str(a) for a in args]
-    result = run_python(command[1:], env, timeout)  # torchrun's ranks are processes of their own
+        command = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                   STEP_SCRIPTS.get(step, step)]  # or a script's path
+    result = run_python([*command, *args], timeout=timeout)  # torchrun's ranks are processes of their own
     if check and result.returncode != 0:
         raise AssertionError(f"{step} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     return result
@@ -100,7 +103,7 @@ class WarmPython:
     @classmethod
     def run(cls, command, env, timeout, cwd):
         if cls.process is None:
-            cls.env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+            cls.env = one_thread_env()
             cls.process = subprocess.Popen([sys.executable, str(REPO / "tests/warm_python.py")], env=cls.env, cwd=REPO,
                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                            text=True)
@@ -131,11 +134,11 @@ def run_python(args, env=None, timeout=600, cwd=REPO, check=False):
     it (stdin: nothing; `env`, else this one with a thread per process; `check` as there), by WarmPython
     where it can."""
     command = [sys.executable, *map(str, args)]
-    env = env if env is not None else {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = env if env is not None else one_thread_env()
 
     def read_at_import(env):
         return {name: value for name, value in env.items() if name.startswith(READ_AT_IMPORT)}
-    warm_env = WarmPython.env or {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    warm_env = WarmPython.env or one_thread_env()
     if (str(args[0]).startswith("-") and args[0] != "-m") or read_at_import(env) != read_at_import(warm_env):
         result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd,
                                 stdin=subprocess.DEVNULL)

@@ -72,7 +72,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore  # registers t
 from common.arguments import Parser, at_least, check_arguments
 from common.batch import gradient_accumulation_steps
 from common.errors import UserError, exit_on_user_error, first_line
-from common.metrics import PEAK_BF16_FLOPS, flops_per_token
+from common.metrics import PEAK_BF16_FLOPS, flops_per_token, forward_flops_per_token
 from common.model import build_model, check_max_seq_length
 from common.nf4 import quantize_frozen_linears, stored_bytes
 from common.optim import make_optimizer
@@ -320,14 +320,6 @@ def plan(args, gpus_per_node, nodes=1, step="fsdp", gpu_memory_gib=None):
     result["time"] = predict_time(args, step, world_size, *flops, parameters, state)
     result["seconds"] = round(time.perf_counter() - started, 1)
     return result
-
-
-def forward_flops_per_token(model, seq_len):
-    """The forward pass's share of flops_per_token: 2 FLOPs per weight, a third of attention's. What full
-    activation checkpointing computes a second time (selective recomputes almost none of it)."""
-    config = model.config
-    weights = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, torch.nn.Linear))
-    return 2 * weights + 4 * config.num_hidden_layers * config.hidden_size * seq_len
 
 
 def this_gpu():
