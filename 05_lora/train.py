@@ -94,19 +94,24 @@ def shard_model(model, mesh, strategy, mp_policy, offload_policy, load_unit=None
     fully_shard(model, **options)
 
 
-def add_lora(model, args):
+def add_lora(model, args, frozen_dtype=torch.float32):
     """Freeze every weight and add a trainable low-rank update B·A (rank r, scaled by alpha/r)
-    beside each target linear layer. B starts at zero, so training starts from the model."""
+    beside each target linear layer. B starts at zero, so training starts from the model.
+    The frozen weights are stored in `frozen_dtype` (bf16: FSDP casts them to it anyway); adapters fp32."""
     from peft import LoraConfig, get_peft_model
     config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0, task_type="CAUSAL_LM",
                         target_modules=args.lora_target_modules)
     try:
-        return get_peft_model(model, config)
+        model = get_peft_model(model, config)
     except ValueError as err:  # no module of that name
         linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
                          if isinstance(module, torch.nn.Linear)})
         raise UserError(f"--lora_target_modules {','.join(args.lora_target_modules)}: {err}; this model's linear "
                         f"layers are {', '.join(linear)}") from None
+    for param in model.parameters():
+        if not param.requires_grad:
+            param.data = param.data.to(frozen_dtype)
+    return model
 
 
 def parse_arguments(argv=None):
@@ -115,7 +120,7 @@ def parse_arguments(argv=None):
     parser.add("shard_group_size", type=int, default=None,
                help="HYBRID_SHARD: ranks per shard group (default: the GPUs of one node)")
     parser.add("precision", choices=list(PRECISIONS), default=None,
-               help="compute dtype of the layers (default: bf16 on GPU, fp32 on CPU); weights and AdamW stay fp32")
+               help="compute dtype of the layers and frozen weights (default: bf16 on GPU, fp32 on CPU); adapters fp32")
     parser.add("cpu_offload", action="store_true",
                help="keep sharded weights, gradients and optimizer state in CPU memory; the optimizer steps there")
     parser.add("accumulate_unsharded", action="store_true",
@@ -184,9 +189,9 @@ def main():
     watchdog = Watchdog(output_dir.hang, args.collective_timeout, "loading")  # a hang ends the run, and says where
     torch.manual_seed(args.seed)
 
-    # Model: fp32 weights, sharded. FSDP itself runs the layers in bf16 and reduces the gradients
-    # in fp32 (MixedPrecisionPolicy); the sharded weights and AdamW's state stay fp32. Never cast
-    # the model to bf16 before sharding: AdamW would then keep bf16 state.
+    # Model: the frozen weights in the compute dtype, the adapters in fp32, sharded. FSDP itself runs
+    # the layers in bf16 and reduces the gradients in fp32 (MixedPrecisionPolicy); the adapters and
+    # AdamW's state stay fp32 (add_lora casts only what no optimiser updates).
     config, tokenizer, notation = load_model_files(args)  # and how the games are written: common/notation.py
     precision = args.precision or ("bf16" if device.type == "cuda" or args.qlora else "fp32")
     mesh = build_mesh(args.sharding_strategy, device.type, world_size,
@@ -196,7 +201,7 @@ def main():
 
     def prepare_model(model):  # before sharding, so that FSDP's hooks stay outside the recomputation
         prepare_layers(model, args)  # --gradient_checkpointing, --compile: common/speed.py
-        return add_lora(model, args)
+        return add_lora(model, args, PRECISIONS[precision])
 
     def shard(model, load_unit=None):
         shard_model(model, mesh, args.sharding_strategy, mp_policy, offload, load_unit)

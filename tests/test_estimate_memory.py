@@ -136,7 +136,8 @@ def test_layer_activation_count_matches_saved_tensors(demo_model, demo_shape, pr
 
 @pytest.mark.quick
 def test_lora_adapters_are_what_peft_adds(demo_model, demo_shape):
-    """The trainable parameters are peft's, and only their gradients and AdamW state are kept."""
+    """The trainable parameters are peft's, and only their gradients and AdamW state are kept; the
+    frozen weights are stored in the compute dtype (05_lora/train.py: add_lora)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
     with torch.device("meta"):
@@ -146,7 +147,10 @@ def test_lora_adapters_are_what_peft_adds(demo_model, demo_shape):
     lora = em.estimate(demo_shape, lora_rank=16, lora_targets=em.LORA_TARGETS.split(","))
     assert lora["trainable_parameters"] == trainable
     assert lora["gradients"] == 4 * trainable and lora["optimizer"] == 8 * trainable
-    assert lora["parameters"] == 4 * sum(p.numel() for p in model.parameters())  # frozen ones too, fp32
+    frozen = sum(p.numel() for p in model.parameters()) - trainable
+    assert lora["parameters"] == 4 * trainable + 2 * frozen  # the frozen ones in bf16, the compute dtype
+    fp32 = em.estimate(demo_shape, lora_rank=16, lora_targets=em.LORA_TARGETS.split(","), precision="fp32")
+    assert fp32["parameters"] == 4 * (trainable + frozen)
     qlora = em.estimate(demo_shape, lora_rank=16, lora_targets=em.LORA_TARGETS.split(","), qlora=True)
     assert qlora["parameters"] < 0.5 * lora["parameters"] and qlora["gradients"] == lora["gradients"]
 

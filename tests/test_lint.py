@@ -20,7 +20,7 @@ DIFF_BUDGETS = {
     ("03_ddp", "04_fsdp"): 202,        # FSDP: strategies and mesh, fully_shard per layer then root, mixed
                                        # precision, rank-0 loading, sharded checkpoints, gathered export,
                                        # CPU offload's gloo for the offloaded tensors
-    ("04_fsdp", "05_lora"): 120,       # LoRA/QLoRA: adapters, adapter-only checkpoints and export
+    ("04_fsdp", "05_lora"): 125,       # LoRA/QLoRA: adapters, the frozen base in bf16, adapter-only checkpoints, export
     ("04_fsdp", "06_tp"): 220,         # tensor parallel: the 2-D mesh, the layer and root plans, parallelize then
                                        # fully_shard over dp, loss parallel, sums and batches by data-parallel rank
 }

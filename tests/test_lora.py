@@ -1,12 +1,13 @@
 """05_lora: adapters (peft) sharded with FSDP. The loss falls; only the adapters are trained,
 checkpointed and saved; the saved adapter loads with peft alone and gives the trained model's
 validation loss; a LoRA run resumes exactly. QLoRA: tests/test_qlora.py."""
+import json
 import shutil
 
 import pytest
 import torch
 
-from conftest import REPO, demo_args, read_metrics, run_python, run_step
+from conftest import REPO, demo_args, read_metrics, run_python, run_ranks, run_step
 
 from common.chess_eval import validation_loss_sums
 from common.prepare_data import prepared_rows
@@ -82,3 +83,46 @@ def test_export_refuses_a_lora_checkpoint(lora_run, tmp_path):
     done = run_python([REPO / "tools/export.py", lora_run / "checkpoints/step-000010", tmp_path / "out"])
     assert done.returncode == 2 and "error:" in done.stderr and "LoRA adapters only" in done.stderr
     assert not (tmp_path / "out").exists()
+
+
+FROZEN_BASE = """
+    import json, torch, torch.distributed as dist
+    from launch.steps import load_step
+    from common.model import load_model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+    dist.init_process_group("gloo")
+    step = load_step("lora")
+    args = step.parse_arguments(["--output_dir", "unused", "--model", MODEL, "--lora_rank", "8"])
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    ids = torch.randint(4, 80, (2, 48), generator=torch.Generator().manual_seed(0))
+    found = {}
+    for stored in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        model = step.add_lora(load_model(MODEL), args, stored)
+        for name, param in model.named_parameters():
+            if "lora_B" in name:  # zero at the start: something for the adapters to change
+                torch.nn.init.normal_(param, std=0.05)
+        step.shard_model(model, init_device_mesh("cpu", (1,)), "FULL_SHARD", policy, OffloadPolicy())
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        found[str(stored)] = {"loss": loss.item(),
+                              "grads": [p.grad.full_tensor() for p in model.parameters() if p.requires_grad],
+                              "frozen_bytes": sum(p.to_local().numel() * p.element_size()
+                                                  for p in model.parameters() if not p.requires_grad)}
+    fp32, bf16 = found["torch.float32"], found["torch.bfloat16"]
+    print(json.dumps({"losses": [fp32["loss"], bf16["loss"]],
+                      "frozen_bytes": [fp32["frozen_bytes"], bf16["frozen_bytes"]],
+                      "grad_difference": max((a - b).abs().max().item() for a, b in zip(fp32["grads"], bf16["grads"])),
+                      "adapters": len(bf16["grads"])}))
+    dist.destroy_process_group()
+"""
+
+
+def test_a_bf16_frozen_base_gives_the_losses_of_fp32_weights_in_half_the_memory(demo, tmp_path):
+    """With bf16 compute FSDP casts every frozen fp32 weight to bf16 for each use; add_lora stores
+    them in bf16 from the start: the same values, so the same loss and adapter gradients, to the
+    bit, with the frozen weights in half the bytes."""
+    found = json.loads(run_ranks(tmp_path, f"    MODEL = {str(demo / 'model')!r}\n" + FROZEN_BASE, nproc=1))
+    assert found["losses"][0] == found["losses"][1] and found["grad_difference"] == 0.0, found
+    assert found["adapters"] > 0 and found["frozen_bytes"][1] * 2 == found["frozen_bytes"][0], found

@@ -63,7 +63,7 @@ LOAD = """
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     model = load_quantized_sharded_model(MODEL, load_config(MODEL), dist.get_rank(), torch.device("cpu"),
         lambda model, load_unit: step.shard_model(model, mesh, "FULL_SHARD", policy, OffloadPolicy(), load_unit),
-        prepare=lambda model: step.add_lora(model, args))
+        prepare=lambda model: step.add_lora(model, args, torch.bfloat16))  # as train.py: bf16 compute
     params = list(model.parameters())
     print(json.dumps({"rank": dist.get_rank(), "nf4": sum(stored_bytes(p) for p in params if is_nf4(p)),
                       "parameters": sum(stored_bytes(p) for p in params)}), flush=True)

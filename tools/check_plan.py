@@ -159,13 +159,13 @@ def build(args, step, mesh, config, fake_mode, accumulation):
             raise PlanUnavailable(f"cannot build {args.model} from its config ({first_line(err)})") \
                 from None
         prepare_layers(model, args, compile_layers=False)  # before sharding, as in train.py
+        precision = args.precision or "bf16"  # what train.py uses on a GPU
         if step == "lora":
-            model = module.add_lora(model, args)
+            model = module.add_lora(model, args, module.PRECISIONS[precision])
     try:
         module.decoder_layers(model)
     except UserError as err:
         raise PlanUnavailable(str(err)) from None
-    precision = args.precision or "bf16"  # what train.py uses on a GPU
     mp_policy = MixedPrecisionPolicy(param_dtype=module.PRECISIONS[precision], reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy(pin_memory=False) if args.cpu_offload else OffloadPolicy()  # no pinning without CUDA
     if step == "tp":  # tensor parallel over mesh["tp"], then FSDP over mesh["dp"]

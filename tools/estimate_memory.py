@@ -28,12 +28,14 @@ exp_avg_sq 8 B: 16 bytes per parameter, split N ways, N being the shard degree:
     NO_SHARD                   N = 1 (every GPU keeps everything, like DDP)
 FSDP2 cuts every parameter along dim 0 into N equal pieces, padding dim 0 up to a multiple of N,
 so per GPU each parameter costs ceil(dim0 / N) x (product of the other dims) x bytes.
-With --lora (step 5) the model's own weights are frozen: 4 B each (fp32, sharded), no gradient,
-no AdamW state; every target linear layer (in x out) gets adapters A (r x in) and B (out x r),
-trainable: 16 B per adapter parameter. (At 64 ranks A's r = 16 rows pad to one row per rank.)
+With --lora (step 5) the model's own weights are frozen, stored in the compute dtype (2 B each in
+bf16, 4 in fp32; sharded), no gradient, no AdamW state; every target linear layer (in x out) gets
+adapters A (r x in) and B (out x r), trainable: 16 B per adapter parameter. (At 64 ranks A's
+r = 16 rows pad to one row per rank.)
 With --qlora the frozen linear layers of the decoder are stored in 4 bits (NF4, torchao), sharded
 like the rest with their quantization constants: 0.5 B per weight, one byte of scale per 64
-weights and an fp32 factor per 256 scales (common/nf4.py). Embeddings, norms and lm_head stay fp32.
+weights and an fp32 factor per 256 scales (common/nf4.py). Embeddings, norms and lm_head are
+stored in bf16, QLoRA's compute dtype.
 
 Unsharded working set (forward and backward only), in the compute dtype c (2 B for bf16, 4 B
 for fp32):
@@ -296,18 +298,20 @@ def tp_part(name, shape, tp_size):
     return tuple(math.ceil(size / tp_size) if d == dim else size for d, size in enumerate(shape))
 
 
-def fsdp_units(shape, lora_rank=None, lora_targets=(), qlora=False, tp_size=1):
+def fsdp_units(shape, lora_rank=None, lora_targets=(), qlora=False, tp_size=1, frozen_bytes=PARAM_BYTES):
     """The FSDP units, root first, then one per decoder layer: lists of Params. Full fine-tuning
-    trains everything; LoRA freezes the model and adds trainable A (r x in) and B (out x r) beside
-    each target linear layer; QLoRA also stores the decoder's frozen linear weights in 4 bits.
-    With tensor parallelism (step 6) each parameter is this rank's part of it (tp_part)."""
+    trains everything; LoRA freezes the model, stored in the compute dtype (`frozen_bytes` each),
+    and adds trainable A (r x in) and B (out x r) beside each target linear layer; QLoRA also
+    stores the decoder's frozen linear weights in 4 bits. With tensor parallelism (step 6) each
+    parameter is this rank's part of it (tp_part)."""
     lora = lora_rank is not None
-    units = [[Param(tp_part(n, s, tp_size), not lora, PARAM_BYTES) for n, s in shape.root]]
+    frozen = frozen_bytes if lora else PARAM_BYTES
+    units = [[Param(tp_part(n, s, tp_size), not lora, frozen) for n, s in shape.root]]
     for layer in shape.layers:
         unit = []
         for name, (rows, *rest) in ((n, tp_part(n, s, tp_size)) for n, s in layer):
             linear = linear_name(name)
-            unit.append(Param((rows, *rest), not lora, NF4_BYTES if qlora and linear else PARAM_BYTES))
+            unit.append(Param((rows, *rest), not lora, NF4_BYTES if qlora and linear else frozen))
             if lora and linear in lora_targets:
                 unit += [Param((lora_rank, *rest), True, PARAM_BYTES), Param((rows, lora_rank), True, PARAM_BYTES)]
         units.append(unit)
@@ -417,7 +421,7 @@ def estimate(shape, strategy="FULL_SHARD", gpus_per_node=1, nodes=1, precision="
     c, h, i, vocab = COMPUTE_BYTES[precision], shape.hidden_size, shape.intermediate_size, shape.vocab_size
     tokens, layers, lora, t = seq_length * batch_size, shape.num_layers, lora_rank is not None, tp_size
     degree = shard_degree(strategy, gpus_per_node, nodes, shard_group_size) // t
-    units = fsdp_units(shape, lora_rank, lora_targets, qlora, t)
+    units = fsdp_units(shape, lora_rank, lora_targets, qlora, t, frozen_bytes=c)
     state = sharded_state_bytes(units, degree, optimizer)
     keep = accumulate_unsharded and accumulation > 1  # until the last micro-batch nothing is re-sharded
     on_gpu = 0 if cpu_offload else 1  # offloaded: the sharded state is in host RAM
@@ -567,10 +571,13 @@ def report(shape, source, args):
         layers = layers.replace("checkpointed", "selectively checkpointed")
     keep = args.accumulate_unsharded and accumulation > 1
     gathered = "the whole model" if args.sharding_strategy == "SHARD_GRAD_OP" or keep else "root + 2 decoder layers"
-    frozen = " (frozen: 4-bit linear layers)" if args.qlora else " (frozen)" if args.lora else ""
+    stored = f"{where}, {share}"
+    if args.lora:  # the frozen weights in the compute dtype (05_lora/train.py: add_lora), the adapters in fp32
+        stored = (("host RAM, " if args.cpu_offload else "") + f"{share}; frozen in {args.precision}"
+                  + (", 4-bit linear layers" if args.qlora else "") + "; adapters fp32")
     unsharded = "whole fp32 gradients + one layer's new ones" if keep else "one layer's fp32 reduce-scatter buffer"
     parts = [
-        (f"parameters ({where}, {share}){frozen}", est["parameters"]),
+        (f"parameters ({stored})", est["parameters"]),
         (f"gradients ({where}, {share}, trainable parameters)", est["gradients"]),
         (f"optimizer state ({OPTIMIZER_STATE[args.optimizer]}, {where}, {share})", est["optimizer"]),
         (f"gathered parameters ({args.precision}: {gathered})", est["gathered_parameters"]),
