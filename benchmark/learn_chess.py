@@ -163,7 +163,7 @@ def curve(run_dir, untrained_rate, untrained_loss):
     return points
 
 
-def final_evaluation(model_dir, train, held_out, max_seq_length, seed):
+def final_evaluation(model_dir, baseline, held_out, max_seq_length, seed):
     """One position of every held-out game: is the model's greedy move legal, and the trigram
     table's? Rates overall and by phase, on the same positions."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -176,7 +176,6 @@ def final_evaluation(model_dir, train, held_out, max_seq_length, seed):
     # A `+` first closes the position's last move, which gave no check (the prompt would hold it):
     # a wrong claim, not judged as part of the move; counted, so that the strict rate can be read too.
     wrong_check = [text.split()[:1] == [CHECK] for text in texts]
-    baseline = TrigramBaseline(train)
     baseline_legal = [baseline.is_legal(prefix) for prefix in prefixes]
     rows = {}
     for phase in (*PHASES, "all"):
@@ -329,7 +328,7 @@ def main():
     curve_baseline = sum(map(baseline.is_legal, curve_positions)) / len(curve_positions)
     print(f"evaluating the final model on {len(held_out):,} held-out positions ...", flush=True)
     torch.set_num_threads(len(os.sched_getaffinity(0)))
-    final = final_evaluation(RunDir(run_dir).final, train, held_out, args.max_seq_length, args.seed)
+    final = final_evaluation(RunDir(run_dir).final, baseline, held_out, args.max_seq_length, args.seed)
     wall_s = time.time() - began
     # CPU seconds of this command and all it ran: on a shared machine the wall time also
     # says how busy the neighbours were
