@@ -10,6 +10,12 @@ with a verdict line, and exits 1 unless the node is ready.
         --seq_length 64 --steps 2 --batch_size_per_device 2     # a shrunk shape: what the CPU test runs
 
 Rows, in the order they run (id: check):
+  levers            the speed levers (common/speed.py) on 4 of the 7B shape's layers, 4 rows per GPU, in
+                    one process on one GPU (benchmark/speed_levers.py): the eager baseline with every layer
+                    recomputed, each lever alone and all together, 6 steps (the first 2 not timed);
+                    tokens/s against the baseline, MFU, peak memory, and each step's loss. It fails
+                    where a lever's losses stray from the baseline's; the fastest setting with the
+                    baseline's losses is what the qlora, lora and full rows then run with
   step2, step3, step4, step5   the demo model: 02_singlegpu on one GPU with bf16 autocast, 03_ddp,
                     04_fsdp and 05_lora with nccl on every visible GPU (40 steps, a save)
   step6             06_tp on every visible GPU, each layer split over 2 of them (tensor parallel 2 x
@@ -23,8 +29,9 @@ Rows, in the order they run (id: check):
                     fully_shard (benchmark/nf4_sharding.py; on 2 GPUs where there are 2)
   qlora, lora       the 7B shape (benchmark/codellama-7b-config.json, random weights through
                     benchmark/random_weights.py, the demo tokenizer), FULL_SHARD on every GPU, rows
-                    of --seq_length tokens, activation checkpointing, at the most rows per GPU that
-                    fit (by tools/estimate_memory.py, up to 16). QLoRA fails where its memory does
+                    of --seq_length tokens, at the most rows per GPU that
+                    fit (by tools/estimate_memory.py, up to 16; activation checkpointing and the
+                    other levers as the levers row chose). QLoRA fails where its memory does
                     not show the 4-bit weights against LoRA's, or its loss strays from LoRA's by
                     more than 2 % over the same steps
   full              full fine-tuning without offload of the largest Llama shape that fits: the 7B
@@ -46,7 +53,8 @@ it marks): it replaces its runs and model there on every start, so a folder with
 plan check; a row that would not fit in the time left is not run, and says so.
 
 Without CUDA (tests/test_gpu_check.py runs a shrunk shape on the CPU) the rows run with gloo on 2
-CPU processes, except step2 and the CPU-offload rows; MFU and GPU memory stay empty, and the
+CPU processes, except step2 and the CPU-offload rows, and the levers row leaves --compile out (it
+does not speed a CPU's step; tests/test_speed.py proves it equal there); MFU and GPU memory stay empty, and the
 verdict is "NOT ready": nothing here measures a GPU that is not there.
 """
 import argparse
@@ -90,8 +98,13 @@ MOST_ROWS = 16  # the 7B-shape runs try up to this many rows per GPU
 FULL_ROWS = 4  # the full fine-tune keeps as many layers as fit with this many rows per GPU
 # id: (check, seconds it needs at least: a row is not started with less time left). Measured on one
 # H100 (2026-11-27): the demo's rows 21-29 s (the preemption row's two runs 46), the 7B shape's
-# QLoRA 135 s, LoRA 106, the full fine-tune of 17 layers 61, mostly loading random weights.
-ROWS = {"step2": ("step 2", 25), "step3": ("step 3", 25), "step4": ("step 4", 25), "step5": ("step 5", 25),
+# QLoRA 135 s, LoRA 106, the full fine-tune of 17 layers 61, mostly loading random weights. The levers
+# row's 150: an estimate (six settings, two of them compiled), not yet measured on a GPU.
+LEVER_LAYERS, LEVER_ROWS, LEVER_STEPS = 4, 4, 6  # the levers row: 4 of the 7B shape's layers, 4 rows per GPU
+# The 7B rows' recomputation where the levers row does not run (or finds no setting): every layer's
+BASELINE_LEVERS = ["--gradient_checkpointing"]
+ROWS = {"levers": ("speed levers", 150),
+        "step2": ("step 2", 25), "step3": ("step 3", 25), "step4": ("step 4", 25), "step5": ("step 5", 25),
         "step6": ("step 6, tensor parallel", 25),
         "preemption": ("preemption, step 4", 45), "nf4_sharding": ("QLoRA sharding", 20),
         "qlora": ("7B shape, QLoRA", 120), "lora": ("7B shape, LoRA", 100), "full": ("full fine-tuning", 60),
@@ -482,19 +495,27 @@ def main():
                 "--total_batch_size", total_batch_size, "--batch_size_per_device", 4]
     sharded_demo = demo(4 * ranks) + ["--precision", precision]
 
-    # The 7B-shape jobs (random weights), decided first, so that their plan checks run beside the demo's rows.
-    from tools import estimate_memory
+    # The levers first: the 7B-shape jobs run with the setting it chooses.
     model_dir = runner.work_dir / "model"
     config = make_model_dir(args, model_dir)
+    chosen = levers(runner, args, config) if "levers" in wanted else BASELINE_LEVERS
+
+    # The 7B-shape jobs (random weights), decided now, so that their plan checks run beside the demo's rows.
+    from tools import estimate_memory
 
     def job(rows, model=model_dir):  # stopped long before step 1000
         return ["--model", model, "--max_seq_length", args.seq_length, "--batch_size_per_device", rows,
-                "--total_batch_size", rows * ranks, "--gradient_checkpointing", "--precision", precision,
+                "--total_batch_size", rows * ranks, *chosen, "--precision", precision,
                 "--max_steps", 1000, "--eval_every", 0, "--eval_rows", ranks, "--eval_games", ranks]
     lora_rows = args.batch_size_per_device or max(1, most_rows(estimate_memory, config, job(1), ranks, "lora"))
     lora_job = job(lora_rows)
-    shape = (f"{config['num_hidden_layers']} layers, hidden {config['hidden_size']}, random weights, "
-             f"FULL_SHARD x {ranks}, {lora_rows} x {args.seq_length} tokens per GPU, checkpointing")
+    # QLoRA eager: its 4-bit layers under torch.compile are not proven equal on the CPU (tests/test_speed.py)
+    qlora_levers = [option for option in chosen if option != "--compile"]
+    qlora_job = [option for option in lora_job if option != "--compile"] + ["--qlora"]
+
+    def shape(options):
+        return (f"{config['num_hidden_layers']} layers, hidden {config['hidden_size']}, random weights, "
+                f"FULL_SHARD x {ranks}, {lora_rows} x {args.seq_length} tokens per GPU, {levers_text(options)}")
     full_layers, full_rows = largest_full_fine_tune(args, config, job, ranks, estimate_memory)
     full_dir = runner.work_dir / "full_model"
     full_job = job(full_rows, full_dir)
@@ -502,7 +523,7 @@ def main():
         make_model_dir(args, full_dir, full_layers)
     tensor_parallel_demo = sharded_demo + ["--tp_size", 2]  # step 6: layers split over pairs of GPUs
     jobs = [("step4", "fsdp", sharded_demo), ("step6", "tp", tensor_parallel_demo),
-            ("qlora", "lora", lora_job + ["--qlora"]), ("lora", "lora", lora_job), ("full", "fsdp", full_job)]
+            ("qlora", "lora", qlora_job), ("lora", "lora", lora_job), ("full", "fsdp", full_job)]
     plans = Plans([(row_id, step, argv) for row_id, step, argv in jobs if row_id in wanted and
                    (row_id != "full" or full_layers) and (row_id != "step6" or ranks >= 2)], ranks, runner.deadline)
     try:
@@ -532,17 +553,19 @@ def main():
         # The 7B shape: QLoRA, LoRA, and the largest full fine-tune.
         qlora = lora = None
         if "qlora" in wanted:
-            qlora = runner.run("qlora", shape + ", 4-bit base", "05_lora/train.py", ranks, lora_job + ["--qlora"],
-                               stop_after=args.steps, random_weights=True, plans=plans)
+            qlora = runner.run("qlora", shape(qlora_levers) + ", 4-bit base",
+                               "05_lora/train.py", ranks, qlora_job, stop_after=args.steps, random_weights=True,
+                               plans=plans)
         if "lora" in wanted:
-            lora = runner.run("lora", shape, "05_lora/train.py", ranks, lora_job, stop_after=args.steps,
+            lora = runner.run("lora", shape(chosen), "05_lora/train.py", ranks, lora_job, stop_after=args.steps,
                               random_weights=True, plans=plans)
         if qlora and lora:
             compare_qlora(qlora, lora, config, ranks, on_gpu)
             write_report(runner, final=False)
         if "full" in wanted:
             setup = (f"{full_layers} of the 7B shape's {config['num_hidden_layers']} layers, random weights, "
-                     f"FULL_SHARD x {ranks}, {full_rows} x {args.seq_length} tokens per GPU, checkpointing, AdamW")
+                     f"FULL_SHARD x {ranks}, {full_rows} x {args.seq_length} tokens per GPU, "
+                     f"{levers_text(chosen)}, AdamW")
             if full_layers:
                 runner.run("full", setup, "04_fsdp/train.py", ranks, full_job, stop_after=args.steps,
                            random_weights=True, plans=plans)
@@ -566,6 +589,64 @@ def main():
     text = write_report(runner, final=True)
     print(f"wrote {runner.work_dir / 'gpu_check.md'} and gpu_check.json\n\n" + text, end="", flush=True)
     return verdict(runner.rows, on_gpu, hardware)[1]
+
+
+def levers(runner, args, config):
+    """The levers row: benchmark/speed_levers.py on LEVER_LAYERS of the 7B shape, LEVER_ROWS rows per GPU
+    (--batch_size_per_device), in one process on one GPU. Returns the step options of the fastest
+    setting with the baseline's losses (BASELINE_LEVERS where it did not run or found none). On the
+    CPU the compiled settings are left out: compiling does not speed a CPU's step."""
+    rows, layers = args.batch_size_per_device or LEVER_ROWS, min(LEVER_LAYERS, config["num_hidden_layers"])
+    setup = (f"{layers} layers of the 7B shape, 1 {'GPU' if runner.on_gpu else 'CPU process'}, {rows} x "
+             f"{args.seq_length} tokens, {LEVER_STEPS} steps, against eager with every layer recomputed")
+    if not runner.enough_time("levers", setup):
+        return BASELINE_LEVERS
+    from benchmark.speed_levers import SETTINGS
+    settings = [name for name, options in SETTINGS.items() if runner.on_gpu or not options["compile"]]
+    started = time.monotonic()
+    model_dir, log = runner.fresh("levers")
+    make_model_dir(args, model_dir, layers)
+    process = runner.start("benchmark/speed_levers.py", None, ["--model", model_dir, "--rows", rows, "--seq_length",
+                                                         args.seq_length, "--steps", LEVER_STEPS,
+                                                         "--settings", ",".join(settings)], log)
+    try:
+        process.wait(timeout=max(1, runner.time_left()))
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    lines = log.read_text(errors="replace").splitlines()
+    measured = {found["setting"]: found for found in map(json.loads, [line for line in lines if line.startswith("{")])}
+    choice = next((json.loads(line.removeprefix("chosen: ")) for line in lines if line.startswith("chosen: ")), None)
+    row = {"check": ROWS["levers"][0], "setup": setup, "seconds": round(time.monotonic() - started)}
+    if choice is None:
+        row["result"] = ("stopped: out of time (--time_limit)" if runner.time_left() <= 0 else
+                         exit_result(process.returncode, log))
+        runner.add(row)
+        return BASELINE_LEVERS
+    best = measured[choice["setting"]]
+    row.update({key: best[found] for key, found in (("tokens_per_s_per_gpu", "tokens_per_s"), ("mfu", "mfu"),
+                                                     ("peak_allocated_gib", "peak_allocated_gib")) if found in best},
+               mean_loss=mean(best["losses"]), result=lever_result(choice), levers=choice["settings"])
+    print(f"levers: {row['result']}", flush=True)
+    runner.add(row)
+    return choice["options"]
+
+
+def levers_text(options):
+    return " ".join(options) or "no levers"
+
+
+def lever_result(choice):
+    """`ok: chosen ...; each: ...`, or FAILED where a setting's losses stray from the baseline's or it failed."""
+    each = "; ".join(f"{found['setting']} " + (
+        "out of memory" if found["out_of_memory"] else f"failed: {found['error']}" if found["error"] else
+        f"{found['speedup']:.2f}x, losses within {found['loss_difference']:.1e}") for found in choice["settings"][1:])
+    strayed = [found["setting"] for found in choice["settings"]
+               if found["error"] or (found["speedup"] is not None and not found["same_losses"])]
+    chosen = f"{choice['setting']} ({levers_text(choice['options'])}, {choice['speedup']:.2f}x)"
+    if strayed:
+        return f"FAILED: {', '.join(strayed)} (losses not the baseline's, or failed); chosen {chosen}; each: {each}"
+    return f"ok: chosen {chosen}; each: {each}"
 
 
 def tensor_parallel(runner, arguments, backend, plans):

@@ -20,9 +20,9 @@ from conftest import REPO
 from benchmark import gpu_check
 from common.errors import UserError
 
-ROWS = ["step 2", "step 3", "step 4", "step 5", "step 6, tensor parallel", "preemption, step 4", "QLoRA sharding",
-        "7B shape, QLoRA", "7B shape, LoRA", "full fine-tuning", "step 4, CPU offload", "step 5, CPU offload",
-        "7B shape, full fine-tuning, CPU offload"]
+ROWS = ["speed levers", "step 2", "step 3", "step 4", "step 5", "step 6, tensor parallel", "preemption, step 4",
+        "QLoRA sharding", "7B shape, QLoRA", "7B shape, LoRA", "full fine-tuning", "step 4, CPU offload",
+        "step 5, CPU offload", "7B shape, full fine-tuning, CPU offload"]
 SHRUNK = ["--layers", "2", "--hidden", "128", "--heads", "2", "--intermediate", "256", "--seq_length", "64",
           "--steps", "2", "--batch_size_per_device", "2"]
 
@@ -40,8 +40,9 @@ def sbatch_environment(nodes=1, gpus=2, **extra):
 def cpu_run(demo, tmp_path_factory):
     """One run of the whole check through the template: 2 CPU processes, 2 layers of hidden 128."""
     work_dir = tmp_path_factory.mktemp("gpu_check")
+    # Every row gets its turn: 8 minutes, the GPU node's default, can run short on a busy 2-core CPU
     command = [shutil.which("bash"), "slurm/gpu_check.sh", *SHRUNK, "--data_dir", str(demo / "data"),
-               "--tokenizer", str(demo / "model")]
+               "--tokenizer", str(demo / "model"), "--time_limit", "1200"]
     env = sbatch_environment(WORK_DIR=str(work_dir), CUDA_VISIBLE_DEVICES="")  # the CPU path, even with a GPU
     done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env, cwd=REPO)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]  # no GPU: not ready
@@ -53,7 +54,7 @@ def test_the_job_ends_with_the_table_and_the_verdict(cpu_run):
     assert stdout.startswith(f"job 17: GPU check on node1, 2 GPU(s); table in {work_dir}\n")
     assert stdout.endswith((work_dir / "gpu_check.md").read_text())
     assert stdout.splitlines()[-1] == ("verdict: NOT ready: no usable CUDA GPU here; of the checks that run on the "
-                                       "CPU 9 passed")
+                                       "CPU 10 passed")
     assert json.loads((work_dir / "gpu_check.json").read_text())["verdict"] == stdout.splitlines()[-1]
 
 
@@ -83,9 +84,21 @@ def test_the_cpu_runs_what_it_can_and_says_why_it_skips_the_rest(cpu_run):
                         rows["preemption, step 4"]["result"]), rows["preemption, step 4"]
     assert re.fullmatch(r"ok: the same logits to \S+ \(scale \S+\); 14 4-bit weights split, 0 kept whole",
                         rows["QLoRA sharding"]["result"]), rows["QLoRA sharding"]
+    # The levers, each against the eager baseline in one process (compiling left out on the CPU): the
+    # same losses; the fastest is what the 7B rows run with.
+    levers = rows["speed levers"]
+    chosen = re.fullmatch(r"ok: chosen ([a-z ]+) \(([^)]*), (\S+)x\); each: .*", levers["result"])
+    assert chosen, levers
+    assert [found["setting"] for found in levers["levers"]] == [
+        "baseline", "selective recomputation", "no recomputation", "chunked loss"]
+    assert all(found["same_losses"] and found["loss_difference"] <= 1e-4 for found in levers["levers"]), levers
+    fastest = max(levers["levers"], key=lambda found: found["speedup"])
+    assert (chosen.group(1), chosen.group(3)) == (fastest["setting"], f"{fastest['speedup']:.2f}")
+    assert levers["setup"] == "2 layers of the 7B shape, 1 CPU process, 2 x 64 tokens, 6 steps, against eager with " \
+        "every layer recomputed"
     for row_id, check in (("lora", "7B shape, LoRA"), ("qlora", "7B shape, QLoRA"), ("full", "full fine-tuning")):
         assert rows[check]["result"] == "ok (stopped after 2 steps)", rows[check]
-        assert "2 x 64 tokens per GPU" in rows[check]["setup"]
+        assert f"2 x 64 tokens per GPU, {chosen.group(2)}" in rows[check]["setup"]
         assert not (work_dir / row_id / "checkpoints").exists()  # stopped first
     assert "2 layers, hidden 128" in rows["7B shape, LoRA"]["setup"]
     assert rows["full fine-tuning"]["setup"].startswith("2 of the 7B shape's 2 layers")
@@ -276,3 +289,23 @@ def test_a_finished_runs_memory_is_the_largest_over_its_ranks(tmp_path):
     assert gpu_check.figures(tmp_path)["peak_allocated_gib"] == 1.0  # stopped early: rank 0's
     run.summary.write_text(json.dumps({"peak_gpu_allocated_mib_per_rank": 3072.0}))
     assert gpu_check.figures(tmp_path)["peak_allocated_gib"] == 3.0
+
+
+def lever(setting, speedup=1.0, difference=0.0, same=True, **problem):
+    return {"setting": setting, "speedup": speedup, "loss_difference": difference, "same_losses": same,
+            "out_of_memory": problem.get("out_of_memory"), "error": problem.get("error")}
+
+
+@pytest.mark.quick
+def test_the_levers_row_fails_where_a_lever_changes_the_losses_or_fails():
+    choice = {"setting": "all", "options": ["--compile"], "speedup": 1.4,
+              "settings": [lever("baseline"), lever("compile", 1.2, 3e-3), lever("all", 1.4, 4e-3),
+                           lever("no recomputation", out_of_memory=True, speedup=None)]}
+    assert gpu_check.lever_result(choice) == (
+        "ok: chosen all (--compile, 1.40x); each: compile 1.20x, losses within 3.0e-03; all 1.40x, losses within "
+        "4.0e-03; no recomputation out of memory")
+    choice["settings"][1].update(loss_difference=0.5, same_losses=False)  # a lever that changed the maths
+    assert gpu_check.lever_result(choice).startswith("FAILED: compile (losses not the baseline's, or failed)")
+    choice["settings"][1] = lever("compile", speedup=None, error="InductorError: no C++ compiler")
+    assert gpu_check.lever_result(choice).startswith("FAILED: compile (")
+    assert "compile failed: InductorError: no C++ compiler" in gpu_check.lever_result(choice)
