@@ -7,6 +7,7 @@ Tolerance 1e-5 on each step's loss and on the final weights, as the world sizes 
 chunks' sums are added in another order, and inductor's fused kernels round in theirs (measured:
 losses within 1e-6, weights within 2.2e-6). The compiled layers are traced once for the whole run,
 one frame for every layer (no recompilation, no graph break: fullgraph), and the evaluation stays eager.
+Compiled under FSDP2 and peft (step 5, 2 ranks): the eager run's losses.
 """
 import re
 
@@ -20,7 +21,7 @@ LEVERS = ["--gradient_checkpointing", "selective", "--loss_chunk_size", 50]
 
 def test_every_lever_on_one_process_compiled_once(demo, tmp_path, monkeypatch):
     """Packed rows (the default: one shape) against the eager run without levers. Compiling takes
-    half a minute on a quiet CPU, so this is the suite's one compiled run."""
+    half a minute on a quiet CPU, so the suite compiles here and under FSDP (below) only."""
     packed = ["--max_steps", 4, "--learning_rate", 1e-4, *BATCH]
     run_step("single", demo_args(demo, tmp_path / "eager") + packed)
     monkeypatch.setenv("TORCH_LOGS", "dynamo,recompiles")  # each frame dynamo traces, and why it traces again
@@ -36,6 +37,16 @@ def test_every_lever_on_one_process_compiled_once(demo, tmp_path, monkeypatch):
 def test_the_levers_on_two_ranks(single_reference, demo, tmp_path, step, ranks):
     run_step(step, demo_args(demo, tmp_path) + EQUIVALENCE + BATCH + LEVERS, nproc=ranks)
     assert_same_run(single_reference, tmp_path, tolerance=1e-5)
+
+
+def test_compiled_layers_under_fsdp_and_lora_on_two_ranks(demo, tmp_path):
+    """Step 5 (step 4's FSDP2 with peft's adapters) with every lever, each layer compiled inside its
+    FSDP unit, against the same levers eager: what the GPU check's LoRA and full rows run when its
+    levers row chooses compiling. Packed rows: one shape."""
+    lora = ["--max_steps", 4, "--learning_rate", 5e-3, "--lora_rank", 8, *BATCH, *LEVERS]
+    run_step("lora", demo_args(demo, tmp_path / "eager") + lora, nproc=2)
+    run_step("lora", demo_args(demo, tmp_path / "compiled") + lora + ["--compile"], nproc=2, timeout=900)
+    assert_same_run(tmp_path / "eager", tmp_path / "compiled", tolerance=1e-5, weights=False)
 
 
 @pytest.mark.quick
