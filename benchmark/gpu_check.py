@@ -59,7 +59,6 @@ verdict is "NOT ready": nothing here measures a GPU that is not there.
 """
 import argparse
 import json
-import math
 import multiprocessing
 import os
 import queue
@@ -73,6 +72,7 @@ from pathlib import Path
 import psutil
 import torch
 
+from benchmark.speed_levers import SETTINGS, largest_relative_difference
 from common.arguments import DEMO_DIR, Parser, at_least
 from common.errors import UserError, exit_on_user_error
 from common.metrics import peak_flops
@@ -503,15 +503,15 @@ def main():
     # The 7B-shape jobs (random weights), decided now, so that their plan checks run beside the demo's rows.
     from tools import estimate_memory
 
-    def job(rows, model=model_dir):  # stopped long before step 1000
+    def job(rows, model=model_dir, levers=chosen):  # stopped long before step 1000
         return ["--model", model, "--max_seq_length", args.seq_length, "--batch_size_per_device", rows,
-                "--total_batch_size", rows * ranks, *chosen, "--precision", precision,
+                "--total_batch_size", rows * ranks, *levers, "--precision", precision,
                 "--max_steps", 1000, "--eval_every", 0, "--eval_rows", ranks, "--eval_games", ranks]
     lora_rows = args.batch_size_per_device or max(1, most_rows(estimate_memory, config, job(1), ranks, "lora"))
     lora_job = job(lora_rows)
     # QLoRA eager: its 4-bit layers under torch.compile are not proven equal on the CPU (tests/test_speed.py)
     qlora_levers = [option for option in chosen if option != "--compile"]
-    qlora_job = [option for option in lora_job if option != "--compile"] + ["--qlora"]
+    qlora_job = job(lora_rows, levers=qlora_levers) + ["--qlora"]
 
     def shape(options):
         return (f"{config['num_hidden_layers']} layers, hidden {config['hidden_size']}, random weights, "
@@ -601,7 +601,6 @@ def levers(runner, args, config):
              f"{args.seq_length} tokens, {LEVER_STEPS} steps, against eager with every layer recomputed")
     if not runner.enough_time("levers", setup):
         return BASELINE_LEVERS
-    from benchmark.speed_levers import SETTINGS
     settings = [name for name, options in SETTINGS.items() if runner.on_gpu or not options["compile"]]
     started = time.monotonic()
     model_dir, log = runner.fresh("levers")
@@ -670,8 +669,7 @@ def compare_with_step4(row, reference, on_gpu):
     if len(row["losses"]) != len(reference["losses"]):
         row["result"] = f"FAILED: {len(row['losses'])} steps on record against step4's {len(reference['losses'])}"
         return
-    differences = [abs(a - b) / abs(b) for a, b in zip(row["losses"], reference["losses"])]
-    worst = math.nan if any(map(math.isnan, differences)) else max(differences)  # max() would pass over a NaN
+    worst = largest_relative_difference(row["losses"], reference["losses"])
     row["result"] = (f"ok: losses within {worst:.1e} of step4's" if worst <= tolerance else
                      f"FAILED: losses differ from step4's by up to {worst:.1e} (relative; at most {tolerance:.0e})")
 

@@ -17,6 +17,7 @@ of memory says so and is not chosen.
 import argparse
 import gc
 import json
+import math
 import sys
 import time
 
@@ -92,6 +93,13 @@ def release(device):
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def largest_relative_difference(losses, reference):
+    """The largest |loss - reference| / |reference| over the steps; NaN where any step's is NaN
+    (max() would pass over it)."""
+    differences = [abs(a - b) / abs(b) for a, b in zip(losses, reference)]
+    return math.nan if any(map(math.isnan, differences)) else max(differences)
+
+
 def compare(results, device):
     """Each setting's losses against the baseline's; the fastest one within LOSS_TOLERANCE."""
     tolerance = LOSS_TOLERANCE[device.type]
@@ -99,8 +107,7 @@ def compare(results, device):
     for result in results:
         if "losses" not in result:
             continue
-        differences = [abs(a - b) / abs(b) for a, b in zip(result["losses"], baseline["losses"])]
-        result["loss_difference"] = float("nan") if any(d != d for d in differences) else max(differences)  # NaN
+        result["loss_difference"] = largest_relative_difference(result["losses"], baseline["losses"])
         result["speedup"] = result["tokens_per_s"] / baseline["tokens_per_s"]
         result["same_losses"] = result["loss_difference"] <= tolerance
     candidates = [result for result in results if result.get("same_losses")]
