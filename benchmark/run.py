@@ -1,7 +1,7 @@
 """Side-by-side benchmark: one process, DDP, every FSDP strategy, packing on and off, step 6's
 tensor parallel x FSDP (2 x 2 and 1 x 4), and the Hugging Face Trainer with FSDP, each at gradient
-accumulation 1 and 2 on the same global batch, on the built-in tiny default and on the same shape
-with a 20,480-token vocabulary.
+accumulation 1 and 2 on the same global batch, on the built-in tiny default (rows of 128 tokens)
+and on the same shape with a 20,480-token vocabulary (rows of 256).
 
     .venv/bin/python benchmark/run.py            # everything, about 40 minutes on 2 idle CPU cores
     .venv/bin/python benchmark/run.py --quick    # a few steps of some runs the targets compare (the test)
@@ -45,7 +45,9 @@ MODELS = ["built-in", "wide vocab"]  # the demo model; its shape with WIDE_VOCAB
 WIDE_VOCAB = 20_480
 ACCUMULATIONS = [1, 2]
 GLOBAL_BATCH_ROWS = 16  # rows per optimiser step, whatever the ranks and the accumulation (as demo.sh)
-SEQ_LENGTH = 128
+# Tokens per row: the wide vocabulary in rows of 256, as a model with a real tokenizer writes a game
+# (about 190 tokens): a second shape of step, beside the built-in model's short rows.
+SEQ_LENGTHS = {"built-in": 128, "wide vocab": 256}
 LEARNING_RATE = 3e-3
 FULL_STEPS, QUICK_STEPS = 20, 3
 ROUNDS = 2  # of the runs the targets compare (the full benchmark)
@@ -187,7 +189,8 @@ def run_configuration(run, models, args, steps):
     output_dir = Path(args.runs_dir) / folder
     output_dir.mkdir(parents=True, exist_ok=True)
     arguments = ["--model", models[run.model], "--data_dir", args.data_dir, "--output_dir", output_dir,
-                 "--max_steps", steps, "--max_seq_length", SEQ_LENGTH, "--learning_rate", LEARNING_RATE, *run.extra]
+                 "--max_steps", steps, "--max_seq_length", SEQ_LENGTHS[run.model], "--learning_rate", LEARNING_RATE,
+                 *run.extra]
     if run.script != "hf_trainer":  # the step scripts evaluate; keep that small, it is not timed
         arguments += ["--eval_every", 0, "--eval_rows", 16, "--eval_games", 16]
     arguments.append("--overwrite")  # this benchmark's own run (main checked the folder), or its earlier round
@@ -504,7 +507,8 @@ def main():
         "load_average_before": load_before, "load_average_after": [round(x, 2) for x in os.getloadavg()],
         "models": {name: dict(zip(("parameters", "vocab_size"), parameter_count(path)), path=path)
                    for name, path in models.items()},
-        "global_batch": f"{GLOBAL_BATCH_ROWS} rows x {SEQ_LENGTH} tokens per step", "steps": steps,
+        "global_batch": f"{GLOBAL_BATCH_ROWS} rows per step, of " + " and ".join(
+            f"{length} tokens ({model})" for model, length in SEQ_LENGTHS.items()), "steps": steps,
         "compared": [f"{run.model}, accumulation {run.accumulation}, {run.name}" for run in compared],
         "rounds": rounds, "runs": rows,
         "state_bytes_per_rank": {model: {str(k): v for k, v in by_ranks.items()}

@@ -104,16 +104,16 @@ def test_quick_runs_every_compared_configuration(quick):
 
 
 def test_useful_tokens_are_counted_alike_for_the_trainer(quick):
-    """Packed rows: 16 rows x 127 loss-bearing tokens per step, in our scripts and in the Trainer
-    fed the same rows, at any accumulation. The baseline's padded rows (one game each) count only
+    """Packed rows: 16 full rows per step, in our scripts and in the Trainer fed the same rows, at any
+    accumulation (each row's tokens but the first bear a loss). The baseline's padded rows (one game each) count only
     their games' tokens: fewer per step, and that difference is what useful tokens/s measures.
     Both Trainer runs really ran FSDP, on the CPU too."""
     _, results, _ = quick
     for model, accumulation in benchmark_run.QUICK_BLOCKS:
-        runs = runs_of(results, model, accumulation)
+        runs, row_tokens = runs_of(results, model, accumulation), benchmark_run.SEQ_LENGTHS[model] - 1
         for name in ("ddp x2", "fsdp FULL_SHARD x2", "hf_trainer fsdp x2 packed"):
-            assert runs[name]["tokens_per_step"] == 16 * 127, name
-        assert 16 * 10 < runs["hf_trainer fsdp x2"]["tokens_per_step"] < 16 * 127
+            assert runs[name]["tokens_per_step"] == 16 * row_tokens, name
+        assert 16 * 10 < runs["hf_trainer fsdp x2"]["tokens_per_step"] < 16 * row_tokens
         for name, packing in (("hf_trainer fsdp x2", False), ("hf_trainer fsdp x2 packed", True)):
             trainer = json.loads((Path(runs[name]["output_dir"]) / "summary.json").read_text())
             assert trainer["packing"] is packing
