@@ -7,7 +7,8 @@ Tolerance 1e-5 on each step's loss and on the final weights, as the world sizes 
 chunks' sums are added in another order, and inductor's fused kernels round in theirs (measured:
 losses within 1e-6, weights within 2.2e-6). The compiled layers are traced once for the whole run,
 one frame for every layer (no recompilation, no graph break: fullgraph), and the evaluation stays eager.
-Compiled under FSDP2 and peft (step 5, 2 ranks): the eager run's losses.
+Compiled under FSDP2 and peft (step 5, 2 ranks): the eager run's losses. Step 6's layers split over
+2 ranks, recomputed selectively: step 2's run (tests/test_tp.py's layouts).
 """
 import re
 

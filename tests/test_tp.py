@@ -26,6 +26,10 @@ from conftest import (EQUIVALENCE, QUICK, REPO, STEP_SCRIPTS, assert_same_run, d
 # name: (ranks, --tp_size); 8 rows per optimiser step, 2 per forward pass
 LAYOUTS = {"tp2_on_2_ranks": (2, 2), "2x2": (4, 2), "1x4": (4, 4)}
 SPLIT = ["--total_batch_size", 8, "--batch_size_per_device", 2]
+# One layout also recomputes each split layer's activations selectively (common/speed.py): a speed
+# lever, the same maths, checked here rather than in a run of its own (the chunked loss is refused in
+# step 6: tests/test_speed.py)
+LEVERS = {"tp2_on_2_ranks": ["--gradient_checkpointing", "selective"]}
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +37,8 @@ def layouts(demo, tmp_path_factory):
     runs = {}
     for name, (ranks, tp_size) in LAYOUTS.items():
         runs[name] = tmp_path_factory.mktemp(name) / "run"
-        result = run_step("tp", demo_args(demo, runs[name]) + EQUIVALENCE + SPLIT + ["--tp_size", tp_size],
-                          nproc=ranks)
+        result = run_step("tp", demo_args(demo, runs[name]) + EQUIVALENCE + SPLIT + ["--tp_size", tp_size]
+                          + LEVERS.get(name, []), nproc=ranks)
         runs[name, "output"] = result.stdout + result.stderr
     return runs
 
