@@ -105,8 +105,9 @@ def test_quick_runs_every_compared_configuration(quick):
 
 def test_useful_tokens_are_counted_alike_for_the_trainer(quick):
     """Packed rows: 16 full rows per step, in our scripts and in the Trainer fed the same rows, at any
-    accumulation (each row's tokens but the first bear a loss). The baseline's padded rows (one game each) count only
-    their games' tokens: fewer per step, and that difference is what useful tokens/s measures.
+    accumulation (each row's tokens but the first bear a loss). The baseline's padded rows (one game
+    each) count only their games' tokens: fewer per step, and that difference is what useful tokens/s
+    measures.
     Both Trainer runs really ran FSDP, on the CPU too."""
     _, results, _ = quick
     for model, accumulation in benchmark_run.QUICK_BLOCKS:
