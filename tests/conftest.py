@@ -5,6 +5,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -94,39 +95,64 @@ def run_step(step, args, nproc=1, timeout=600, check=True):
     return result
 
 
+# What the libraries WarmPython imports read from the environment as they are imported (caches, offline
+# modes, threads, home): a warm Python serves only runs whose environment is its own there.
+READ_AT_IMPORT = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "DATASETS", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_",
+                  "PYTHON", "LD_", "HOME", "XDG_", "CUDA", "TMPDIR")
+
+
+def read_at_import(env):
+    return tuple(sorted((name, value) for name, value in env.items() if name.startswith(READ_AT_IMPORT)))
+
+
 class WarmPython:
-    """tests/warm_python.py, started once per test worker: it runs a Python script in a child forked
-    from a Python that has imported torch, transformers and datasets already (seconds saved per run)."""
-    process = None
-    env = None
+    """tests/warm_python.py: a Python that has imported torch, transformers and datasets and runs each
+    Python script in a child it forks (seconds saved per run). One is started per test worker for the
+    tests' usual environment (one_thread_env), and one for another environment the second time a run
+    asks for it (test_readme_commands' offline one, say; a folder of a test's own is asked for once):
+    at most MOST at a time, each holding those libraries' memory."""
+    MOST = 3
+    servers = {}  # what an environment gives the imports (read_at_import) -> its process, oldest use first
+    asked = set()  # the environments a run has asked for once
+    usual = None
+    choosing = threading.Lock()  # test_readme_commands runs two at a time
 
     @classmethod
-    def run(cls, command, env, timeout, cwd):
-        if cls.process is None:
-            cls.env = one_thread_env()
-            cls.process = subprocess.Popen([sys.executable, str(REPO / "tests/warm_python.py")], env=cls.env, cwd=REPO,
-                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                           text=True)
-        with tempfile.TemporaryDirectory() as folder:
+    def server(cls, env):
+        """The warm Python for this environment, or None where the run should start cold."""
+        key = read_at_import(env)
+        with cls.choosing:
+            if key not in cls.servers:
+                cls.usual = cls.usual or read_at_import(one_thread_env())  # as at the first run
+                if key != cls.usual and key not in cls.asked:
+                    cls.asked.add(key)
+                    return None
+                if len(cls.servers) >= cls.MOST:
+                    oldest = next(k for k in cls.servers if k != cls.usual)
+                    cls.servers.pop(oldest).stdin.close()  # it leaves when its input ends
+                cls.servers[key] = subprocess.Popen([sys.executable, str(REPO / "tests/warm_python.py")], env=env,
+                                                    cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                                    stderr=subprocess.DEVNULL, text=True)
+                cls.servers[key].lock = threading.Lock()  # it runs one script at a time
+            cls.servers[key] = cls.servers.pop(key)  # the newest use last
+            return cls.servers[key]
+
+    @staticmethod
+    def run(process, command, env, timeout, cwd):
+        with process.lock, tempfile.TemporaryDirectory() as folder:
             stdout, stderr = Path(folder, "stdout"), Path(folder, "stderr")
             stdout.touch()
             stderr.touch()
             request = {"argv": command[1:], "cwd": str(cwd), "env": env, "stdout": str(stdout), "stderr": str(stderr),
                        "timeout": timeout}
-            cls.process.stdin.write(json.dumps(request) + "\n")
-            cls.process.stdin.flush()
-            answer = cls.process.stdout.readline()
+            process.stdin.write(json.dumps(request) + "\n")
+            process.stdin.flush()
+            answer = process.stdout.readline()
             assert answer, "tests/warm_python.py ended"
             answer = json.loads(answer)
             if answer["timed_out"]:
                 raise subprocess.TimeoutExpired(command, timeout, stdout.read_text(), stderr.read_text())
             return subprocess.CompletedProcess(command, answer["returncode"], stdout.read_text(), stderr.read_text())
-
-
-# What the libraries WarmPython imports read from the environment as they are imported (caches, offline
-# modes, threads, home): a run whose environment differs there runs as a subprocess of its own.
-READ_AT_IMPORT = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "DATASETS", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_",
-                  "PYTHON", "LD_", "HOME", "XDG_", "CUDA", "TMPDIR")
 
 
 def run_python(args, env=None, timeout=600, cwd=REPO, check=False):
@@ -135,15 +161,12 @@ def run_python(args, env=None, timeout=600, cwd=REPO, check=False):
     where it can."""
     command = [sys.executable, *map(str, args)]
     env = env if env is not None else one_thread_env()
-
-    def read_at_import(env):
-        return {name: value for name, value in env.items() if name.startswith(READ_AT_IMPORT)}
-    warm_env = WarmPython.env or one_thread_env()
-    if (str(args[0]).startswith("-") and args[0] != "-m") or read_at_import(env) != read_at_import(warm_env):
+    warm = None if str(args[0]).startswith("-") and args[0] != "-m" else WarmPython.server(env)
+    if warm is None:
         result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd,
                                 stdin=subprocess.DEVNULL)
     else:
-        result = WarmPython.run(command, env, timeout, cwd)
+        result = WarmPython.run(warm, command, env, timeout, cwd)
     if check and result.returncode != 0:
         raise subprocess.CalledProcessError(result.returncode, command, result.stdout, result.stderr)
     return result
