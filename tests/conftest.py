@@ -128,8 +128,9 @@ class WarmPython:
                     cls.asked.add(key)
                     return None
                 if len(cls.servers) >= cls.MOST:
-                    oldest = next(k for k in cls.servers if k != cls.usual)
-                    cls.servers.pop(oldest).stdin.close()  # it leaves when its input ends
+                    victim = cls.servers.pop(next(k for k in cls.servers if k != cls.usual))
+                    with victim.lock:  # after the script it runs now, if any
+                        victim.stdin.close()  # it leaves when its input ends
                 cls.servers[key] = subprocess.Popen([sys.executable, str(REPO / "tests/warm_python.py")], env=env,
                                                     cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                                     stderr=subprocess.DEVNULL, text=True)

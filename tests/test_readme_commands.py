@@ -1,9 +1,9 @@
 """The README files' commands work as written. Every command line in a ```bash block of a README.md
 is either run here, literally, from the repository root with the kit's environment first on PATH
 (as after `source .venv/bin/activate`; a plain `python SCRIPT ARGS` line by conftest.run_python, in a
-Python forked from one that imported the libraries already), or matches SKIPPED, which says why it is not run here
-(cluster-only, needs the real model or the network, or takes minutes). A command that is neither
-fails the test: a new README command has to be decided on.
+Python forked from one that imported the libraries already), or matches SKIPPED, which says why it
+is not run here (cluster-only, needs the real model or the network, or takes minutes). A command
+that is neither fails the test: a new README command has to be decided on.
 
 The commands run here write nothing into the repository (the prepared games go to the session's
 HF_DATASETS_CACHE, see conftest.py). The generation snippet of the main README runs too, on a model
@@ -173,13 +173,14 @@ def environment():
 
 
 def run(command, cwd=REPO, timeout=180):
-    """A command line through bash; a plain `python SCRIPT ARGS` (no shell syntax) by run_python, the same
-    program in a Python that has the libraries imported (seconds of CPU less for each)."""
+    """A command line through bash; a plain `python SCRIPT ARGS` line (no shell syntax), or a list
+    [python, SCRIPT, ARGS...], by run_python: the same program in a Python that has the libraries
+    imported (seconds of CPU less for each)."""
     began = time.perf_counter()
-    plain = re.fullmatch(r"python \S+\.py[\w\s./=,:-]*", command) if isinstance(command, str) else None
-    if plain or isinstance(command, list) and command[0] == sys.executable:
-        done = run_python(shlex.split(command)[1:] if plain else command[1:], env=environment(), timeout=timeout,
-                          cwd=cwd)
+    if isinstance(command, str) and re.fullmatch(r"python \S+\.py[\w\s./=,:-]*", command):
+        command = shlex.split(command)
+    if isinstance(command, list):
+        done = run_python(command[1:], env=environment(), timeout=timeout, cwd=cwd)
     else:
         done = subprocess.run(command, shell=True, executable="/bin/bash", cwd=cwd, env=environment(),
                               capture_output=True, text=True, timeout=timeout)
