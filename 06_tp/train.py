@@ -107,9 +107,10 @@ def parallelize_and_shard(model, mesh, strategy, mp_policy):
     every decoder layer split by layer_plan, then the rest by ROOT_PLAN. Then FSDP over mesh["dp"]
     (across nodes), bottom-up as in step 4: each layer one unit, gathered just before it runs and
     freed after, then the root. FSDP shards the tensor-parallel shards: each rank keeps 1/world_size."""
+    tp_mesh = mesh["tp"]  # one object for every layer: a compiled layer checks its inputs' mesh by identity
     for number, layer in enumerate(decoder_layers(model)):
-        parallelize_module(layer, mesh["tp"], layer_plan(first=number == 0))
-    parallelize_module(model, mesh["tp"], ROOT_PLAN)
+        parallelize_module(layer, tp_mesh, layer_plan(first=number == 0))
+    parallelize_module(model, tp_mesh, ROOT_PLAN)
     whole_logits_outside_training(model.lm_head)
     options = dict(mesh=mesh["dp"], mp_policy=mp_policy)
     for layer in decoder_layers(model):

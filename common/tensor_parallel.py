@@ -89,7 +89,9 @@ def check_model_splits(config, model, trust_remote_code=False):
 
 def check_step_arguments(args):
     """Step 6 trains with AdamW: common/optim.py's Muon takes matrices cut along one mesh dimension.
-    Its loss runs on the logits' vocabulary parts (loss_parallel), not chunked over the tokens."""
+    Its loss runs on the logits' vocabulary parts (loss_parallel), not chunked over the tokens. Its
+    layers compile for rows of one length: torch 2.13 fails to trace a layer split by sequence whose
+    length varies (inside AOT autograd, TypeError: mul expected 2 arguments, got 3)."""
     if args.optimizer == "muon":
         raise UserError("--optimizer muon: step 6 cuts each matrix over both dimensions of its mesh, and the kit's "
                         "Muon orthogonalises matrices that FSDP alone cut: train with Muon in step 4, or AdamW here")
@@ -97,6 +99,9 @@ def check_step_arguments(args):
         raise UserError(f"--loss_chunk_size {args.loss_chunk_size}: step 6's logits are already split over each "
                         "tensor-parallel group by the vocabulary (loss_parallel), each rank holding its part; leave it "
                         "out here (steps 2 to 5 take it)")
+    if args.compile and args.no_packing:
+        raise UserError("--compile with --no_packing: step 6's split layers compile for rows of one length, and rows "
+                        "of one game each vary; pack the rows (leave out --no_packing), or leave out --compile")
 
 
 def tp_size_for(args, config, world_size, ranks_per_node, on_gpu):

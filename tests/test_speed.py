@@ -8,7 +8,8 @@ chunks' sums are added in another order, and inductor's fused kernels round in t
 losses within 1e-6, weights within 2.2e-6). The compiled layers are traced once for the whole run,
 one frame for every layer (no recompilation, no graph break: fullgraph), and the evaluation stays eager.
 Compiled under FSDP2 and peft (step 5, 2 ranks): the eager run's losses. Step 6's layers split over
-2 ranks, recomputed selectively: step 2's run (tests/test_tp.py's layouts).
+2 ranks, recomputed selectively: step 2's run (tests/test_tp.py's layouts); compiled as well, on
+packed rows, step 2's eager run (torch 2.13 cannot trace a split layer of varying length: refused).
 """
 import re
 
@@ -20,18 +21,44 @@ BATCH = ["--total_batch_size", 8, "--batch_size_per_device", 2]  # single_refere
 LEVERS = ["--gradient_checkpointing", "selective", "--loss_chunk_size", 50]
 
 
-def test_every_lever_on_one_process_compiled_once(demo, tmp_path, monkeypatch):
-    """Packed rows (the default: one shape) against the eager run without levers. Compiling takes
-    half a minute on a quiet CPU, so the suite compiles here and under FSDP (below) only."""
-    packed = ["--max_steps", 4, "--learning_rate", 1e-4, *BATCH]
-    run_step("single", demo_args(demo, tmp_path / "eager") + packed)
+PACKED = ["--max_steps", 4, "--learning_rate", 1e-4, *BATCH]  # packed rows (the default): one shape
+
+
+@pytest.fixture(scope="module")
+def packed_reference(demo, tmp_path_factory):
+    """Step 2, eager and without levers, on packed rows: what the compiled runs must reproduce."""
+    output_dir = tmp_path_factory.mktemp("packed") / "eager"
+    run_step("single", demo_args(demo, output_dir) + PACKED)
+    return output_dir
+
+
+def assert_compiled_once(stderr, ranks):
+    """Under TORCH_LOGS=dynamo,recompiles: each rank traced one frame, speed.py's, which every layer
+    runs; nothing compiled again, no graph break (fullgraph would have failed the run)."""
+    traced = re.findall(r"torchdynamo start tracing (\S+) (\S+):\d+", stderr)
+    assert len(traced) == ranks and all(where.endswith("common/speed.py") for _, where in traced), traced
+    assert "Recompiling" not in stderr and "graph break" not in stderr.lower()
+
+
+def test_every_lever_on_one_process_compiled_once(packed_reference, demo, tmp_path, monkeypatch):
+    """Against the eager run without levers. Compiling takes half a minute on a quiet CPU, so the
+    suite compiles here, under FSDP and peft, and in step 6 (below) only."""
     monkeypatch.setenv("TORCH_LOGS", "dynamo,recompiles")  # each frame dynamo traces, and why it traces again
-    done = run_step("single", demo_args(demo, tmp_path / "levers") + packed + LEVERS + ["--compile"], timeout=900)
-    assert_same_run(tmp_path / "eager", tmp_path / "levers", tolerance=1e-5)
-    traced = re.findall(r"torchdynamo start tracing (\S+) (\S+):\d+", done.stderr)
-    assert len(traced) == 1 and traced[0][1].endswith("common/speed.py"), traced  # one frame: every layer's
-    assert "Recompiling" not in done.stderr and "graph break" not in done.stderr.lower()
-    assert read_metrics(tmp_path / "levers")[-1]["eval_loss"] > 0  # evaluated, eager, after the compiled steps
+    done = run_step("single", demo_args(demo, tmp_path) + PACKED + LEVERS + ["--compile"], timeout=900)
+    assert_same_run(packed_reference, tmp_path, tolerance=1e-5)
+    assert_compiled_once(done.stderr, ranks=1)
+    assert read_metrics(tmp_path)[-1]["eval_loss"] > 0  # evaluated, eager, after the compiled steps
+
+
+def test_step_6_compiled_split_layers_on_two_ranks(packed_reference, demo, tmp_path, monkeypatch):
+    """Each layer split over 2 ranks (tensor parallel, sequence parallel), recomputed selectively and
+    compiled: step 2's eager run, each layer's frame traced once per rank (the layers share one mesh
+    object: a compiled layer checks its input's mesh by identity)."""
+    monkeypatch.setenv("TORCH_LOGS", "dynamo,recompiles")
+    split = ["--tp_size", 2, "--gradient_checkpointing", "selective", "--compile"]
+    done = run_step("tp", demo_args(demo, tmp_path) + PACKED + split, nproc=2, timeout=900)
+    assert_same_run(packed_reference, tmp_path, tolerance=1e-5)
+    assert_compiled_once(done.stderr, ranks=2)
 
 
 @pytest.mark.parametrize("step, ranks", [("ddp", 2), ("fsdp", 2)])
@@ -96,3 +123,14 @@ def test_step_6_refuses_the_chunked_loss():
     from launch.steps import load_step
     with pytest.raises(UserError, match=r"^--loss_chunk_size 64: step 6's logits are already split"):
         load_step("tp").parse_arguments(["--output_dir", "unused", "--loss_chunk_size", "64"])
+
+
+@pytest.mark.quick
+def test_step_6_refuses_to_compile_rows_of_varying_length():
+    """torch 2.13 cannot trace a sequence-split layer of a varying length (tests/test_tp.py compiles
+    packed rows): one error line before anything runs, not a traceback from every rank."""
+    from common.errors import UserError
+    from launch.steps import load_step
+    with pytest.raises(UserError, match=r"^--compile with --no_packing: step 6's split layers compile for rows of "):
+        load_step("tp").parse_arguments(["--output_dir", "unused", "--compile", "--no_packing"])
+    assert load_step("tp").parse_arguments(["--output_dir", "unused", "--compile"]).compile
