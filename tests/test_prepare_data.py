@@ -281,9 +281,21 @@ from launch.steps import load_step
 data, cache, marks, mode = sys.argv[1:5]
 marks = Path(marks)
 tokenizer = load_step("download").build_word_tokenizer("uci")  # the `tokenizer` fixture's
-if mode == "slow":  # whoever prepares takes its time, so that the others surely find it at work
-    prepare = prepare_data.prepare
-    prepare_data.prepare = lambda *args, **kwargs: (time.sleep(2), prepare(*args, **kwargs))
+if mode == "slow":  # whoever prepares holds the lock until every other worker has found it at work
+    wait_for_lock, prepare = prepare_data.wait_for_lock, prepare_data.prepare
+
+    def waiting_marked(path, on_wait=None, **kwargs):
+        def said(holder):
+            on_wait(holder)
+            (marks / f"waiting-{os.getpid()}").touch()
+        return wait_for_lock(path, on_wait=said if on_wait else None, **kwargs)
+
+    def prepare_when_all_wait(*args, **kwargs):
+        deadline = time.monotonic() + 120  # then the test's count of waiting lines fails, it does not hang
+        while len(list(marks.glob("waiting-*"))) < len(list(marks.glob("ready-*"))) - 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return prepare(*args, **kwargs)
+    prepare_data.wait_for_lock, prepare_data.prepare = waiting_marked, prepare_when_all_wait
 if mode == "die-midway":  # half a token file, then wait for the SIGKILL
     def write_rows(token_lists, folder, *args):
         (folder / "tokens.bin").write_bytes(bytes(1000))
