@@ -139,15 +139,18 @@ def answers(model, tokenizer, notation, prefixes, batch_size, max_seq_length, de
     greedily after it, long enough to hold one move."""
     steps = tokens_per_move(tokenizer, notation)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    texts = []
-    for first in range(0, len(prefixes), batch_size):
+    # Prompts of like length go together: a batch is padded to its longest prompt, and in the order
+    # given a batch of 32 random cuts of games came to 3 times the real tokens (sorted: 1.07 times)
+    order = sorted(range(len(prefixes)), key=lambda i: len(prefixes[i]))
+    texts = [None] * len(prefixes)
+    for first in range(0, len(order), batch_size):
         check_stop(stop)
-        chunk = prefixes[first: first + batch_size]
-        prompts = [[tokenizer.bos_token_id, *tokenizer(game_text(notation, p), add_special_tokens=False)["input_ids"]]
-                   for p in chunk]
+        chunk = order[first: first + batch_size]
+        prompts = [[tokenizer.bos_token_id,
+                    *tokenizer(game_text(notation, prefixes[i]), add_special_tokens=False)["input_ids"]] for i in chunk]
         prompts = [p[-(max_seq_length - steps):] for p in prompts]
-        texts += [tokenizer.decode(written, skip_special_tokens=True)
-                  for written in greedy_tokens(model, prompts, steps, pad_id, device)]
+        for i, written in zip(chunk, greedy_tokens(model, prompts, steps, pad_id, device)):
+            texts[i] = tokenizer.decode(written, skip_special_tokens=True)
     return texts
 
 

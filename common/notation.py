@@ -64,19 +64,24 @@ def words_of(notation, moves):
             raise IllegalGame(ply, text) from None
         if not board.is_legal(move):
             raise IllegalGame(ply, text)
-        words.append(move_text(board, notation, move))
-        board.push(move)
+        word = piece_move_text(board, move)
+        board.push(move)  # the check is read after the move: gives_check() would push and pop it again
+        words.append(f"{word} {CHECK}" if board.is_check() else word)
     return words
+
+
+def piece_move_text(board, move):
+    """A legal move on `board` as the piece notation writes it, less its check marker: "N g1 f3"."""
+    promotion = f" ={chess.piece_symbol(move.promotion)}" if move.promotion else ""
+    return (f"{board.piece_at(move.from_square).symbol()} {chess.square_name(move.from_square)} "
+            f"{chess.square_name(move.to_square)}{promotion}")
 
 
 def move_text(board, notation, move):
     """One legal move on `board` in the notation: "g1f3" or "N g1 f3" ("Q d1 h5 +" if it gives check)."""
     if notation == "uci":
         return move.uci()
-    promotion = f" ={chess.piece_symbol(move.promotion)}" if move.promotion else ""
-    check = f" {CHECK}" if board.gives_check(move) else ""
-    return (f"{board.piece_at(move.from_square).symbol()} {chess.square_name(move.from_square)} "
-            f"{chess.square_name(move.to_square)}{promotion}{check}")
+    return piece_move_text(board, move) + (f" {CHECK}" if board.gives_check(move) else "")
 
 
 def game_text(notation, moves):

@@ -167,13 +167,16 @@ def scripted_llama(tokenizer, next_word):
 @pytest.mark.quick
 def test_generation_reads_each_moves_tokens_back(demo):
     """A prompt ending in e4 makes the model write n g8 f6 (legal after 1. e4), one ending in d5
-    makes it write Q e2 e4 (a square the queen is not on); prompts of different lengths share a
-    left-padded batch, and the KV cache gives the tokens a full recomputation gives."""
+    makes it write Q e2 e4 (a square the queen is not on), in the order asked; prompts of different
+    lengths share a left-padded batch, and the KV cache gives the tokens a full recomputation gives."""
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(demo / "model")
     model = scripted_llama(tokenizer, {"e4": "n", "n": "g8", "g8": "f6", "f6": "P", "d5": "Q", "Q": "e2", "e2": "e4"})
     prefixes = [["e2e4"], ["e2e4", "d7d5", "e4e5", "g8f6", "d2d4", "d7d5"][:2]]
     assert legal_moves(model, tokenizer, "piece", prefixes, 2, 64, torch.device("cpu")) == [True, False]
+    # batched by prompt length (the shorter first), answered in the order asked
+    assert legal_moves(model, tokenizer, "piece", [prefixes[1], prefixes[0], prefixes[1]], 2, 64,
+                       torch.device("cpu")) == [False, True, False]
     prompts = [[tokenizer.bos_token_id, *tokenizer(game_text("piece", p), add_special_tokens=False)["input_ids"]]
                for p in prefixes]
     written = greedy_tokens(model, prompts, 4, tokenizer.pad_token_id, torch.device("cpu"))
