@@ -4,6 +4,7 @@ import math
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
+from torch.nn.parallel import DistributedDataParallel
 
 # Newton-Schulz: Keller Jordan's quintic iteration, as torch.optim.Muon runs it
 NS_COEFFICIENTS, NS_STEPS, NS_EPS = (3.4445, -4.7750, 2.0315), 5, 1e-7
@@ -31,7 +32,9 @@ def make_optimizer(model, args, newton_schulz_dtype=None):
     for_muon = {id(param) for param in trainable if param.ndim == 2 and id(param) not in token_maps}
     matrices = [param for param in trainable if id(param) in for_muon]
     others = [param for param in trainable if id(param) not in for_muon]
-    return MuonWithAdamW(Muon(matrices, args, newton_schulz_dtype) if matrices else None,
+    # under DDP every rank holds the same matrices: each orthogonalises its share of them
+    replicas = model.process_group if isinstance(model, DistributedDataParallel) else None
+    return MuonWithAdamW(Muon(matrices, args, newton_schulz_dtype, replicas=replicas) if matrices else None,
                          adamw(others, args) if others else None)
 
 
@@ -80,11 +83,14 @@ class Muon(torch.optim.Optimizer):
         shard group (its owner), not through DTensor's implicit collectives: one all-to-all brings
         each matrix's rows to its owner, the owner orthogonalises it, a second all-to-all sends every
         rank its rows back (04_fsdp/README.md: "An optimiser that needs whole matrices").
+        Matrices that every rank holds alike (DDP's, `replicas` its process group) are shared out
+        too: each rank orthogonalises its share, and an all-gather gives every rank every update.
     match_rms_adamw scales each matrix's update to the size of an AdamW update (Moonshot's "Muon is
     scalable"), so one --learning_rate serves Muon and AdamW."""
 
-    def __init__(self, params, args, dtype=None, momentum=0.95):
+    def __init__(self, params, args, dtype=None, momentum=0.95, replicas=None):
         self.dtype = dtype  # of Newton-Schulz; None: by where it runs (newton_schulz_dtype)
+        self.replicas = replicas if replicas is not None and dist.get_world_size(replicas) > 1 else None
         super().__init__(params, {"lr": args.learning_rate, "weight_decay": args.weight_decay, "momentum": momentum,
                                   "nesterov": True, "ns_coefficients": NS_COEFFICIENTS, "eps": NS_EPS,
                                   "ns_steps": NS_STEPS, "adjust_lr_fn": "match_rms_adamw"})
@@ -97,6 +103,10 @@ class Muon(torch.optim.Optimizer):
             for param in params:
                 cut = shard_layout(param)
                 (sharded.setdefault(cut, []) if cut else whole).append(param)
+            if whole and self.replicas is not None:
+                owner_replicated(whole, lambda param: self.momentum_update(param, group),
+                                 lambda param, update: apply(param, update, group), self.replicas, group, self.dtype)
+                whole = []
             for param in whole:
                 device = compute_device(param)
                 update = self.momentum_update(param, group).to(device, self.dtype or newton_schulz_dtype(device))
@@ -250,6 +260,40 @@ def owner_sharded(params, momentum_update, apply_update, process_group, dim, gro
 
     for owned in buckets([param.numel() for param in params], ranks):
         bucket_step(owned)
+
+
+def owner_replicated(params, momentum_update, apply_update, process_group, group, dtype=None):
+    """Muon's step for matrices that every rank of `process_group` holds alike, with the same
+    gradients (DDP's), bucket by bucket as `buckets` deals them out: every rank keeps every momentum
+    buffer, orthogonalises only the matrices it owns, and one all-gather gives every rank every
+    update, which it applies. Newton-Schulz runs once per matrix, not once per rank; the weights are
+    what each rank's own Newton-Schulz would make them, to the bit (Keller Jordan's Muon under DDP)."""
+    ranks, me = dist.get_world_size(process_group), dist.get_rank(process_group)
+    device = params[0].device
+    dtype = dtype or newton_schulz_dtype(device)
+    for owned in buckets([param.numel() for param in params], ranks):
+        updates = {}
+        for mine in owned:
+            for index in mine:  # every buffer moves on every rank; the update is needed by its owner only
+                update = momentum_update(params[index])
+                if mine is owned[me]:
+                    updates[index] = update
+        width = max(sum(params[index].numel() for index in mine) for mine in owned)  # the all-gather's
+        packed = torch.zeros(width, device=device, dtype=dtype)
+        start = 0
+        for index in owned[me]:
+            update = newton_schulz(updates[index].to(device, dtype), group)
+            packed[start: start + update.numel()].copy_(update.reshape(-1))
+            start += update.numel()
+        del updates
+        gathered = torch.empty(ranks * width, device=device, dtype=dtype)
+        dist.all_gather_into_tensor(gathered, packed, group=process_group)
+        for rank, part in enumerate(gathered.split(width)):
+            start = 0
+            for index in owned[rank]:
+                size = params[index].numel()
+                apply_update(params[index], part[start: start + size].view(params[index].shape))
+                start += size
 
 
 def all_to_all(tensor, send_sizes, receive_sizes, process_group):

@@ -87,8 +87,9 @@ def test_with_lora_the_adapters_are_muons_and_nothing_is_adamws(demo):
 
 def sharded_muon_worker():
     """Under torchrun (4 ranks): matrices of awkward shapes (rows fewer than ranks, a rank with no
-    rows) as DTensors laid out as FSDP2 lays them out, Muon's steps on them against one process's
-    Muon on the whole matrices; also with buckets so small that some ranks own nothing in one.
+    rows) as DTensors laid out as FSDP2 lays them out, and whole on every rank as DDP holds them,
+    Muon's steps on them against one process's Muon on the whole matrices; also with buckets so
+    small that some ranks own nothing in one.
     Rank 0 prints the largest difference per layout as JSON."""
     import argparse
 
@@ -110,10 +111,20 @@ def sharded_muon_worker():
         for param, grad in zip(whole, step_grads):
             param.grad = grad.clone()
         optimizer.step()
+    differences, bucket_sizes = {}, (optim.MUON_BUCKET_ELEMENTS, 40)
+    for bucket_elements in bucket_sizes:  # DDP's replicas: each rank its share
+        optim.MUON_BUCKET_ELEMENTS = bucket_elements
+        replicas = [torch.nn.Parameter(t.clone()) for t in start]
+        optimizer = optim.Muon(replicas, args, replicas=dist.group.WORLD)
+        for step_grads in grads:
+            for param, grad in zip(replicas, step_grads):
+                param.grad = grad.clone()
+            optimizer.step()
+        differences[f"replicated (DDP) over 4, buckets of {bucket_elements}"] = max(
+            (p - w).abs().max().item() for p, w in zip(replicas, whole))
     layouts = {"FULL_SHARD (Shard(0) over 4)": ((4,), [Shard(0)]), "Shard(1) over 4": ((4,), [Shard(1)]),
                "HYBRID_SHARD (2 x 2)": ((2, 2), [Replicate(), Shard(0)])}
-    differences = {}
-    for bucket_elements in (optim.MUON_BUCKET_ELEMENTS, 40):
+    for bucket_elements in bucket_sizes:
         optim.MUON_BUCKET_ELEMENTS = bucket_elements
         for name, (mesh_shape, placements) in layouts.items():
             mesh = init_device_mesh("cpu", mesh_shape)
@@ -136,7 +147,7 @@ def test_sharded_matrices_get_the_whole_matrix_update_exactly():
                            __file__], capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     differences = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(differences) == 6 and all(d == 0 for d in differences.values()), differences
+    assert len(differences) == 8 and all(d == 0 for d in differences.values()), differences
 
 
 def test_the_designs_probe_counts_two_all_to_alls_where_dtensor_ran_hundreds():
