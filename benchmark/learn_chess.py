@@ -1,6 +1,6 @@
 """Does the model learn chess? The built-in model, trained on a CPU, against its legal-move rate.
 
-    python benchmark/learn_chess.py            # the full run: about 12.5 minutes on 2 CPU cores
+    python benchmark/learn_chess.py            # the full run: about 10 minutes on 2 CPU cores
     python benchmark/learn_chess.py --quick    # the same path in a few steps (seconds): the test
 
 It builds under --out the demo's model (01_download/download.py --demo: the same tokenizer, shape
@@ -25,8 +25,8 @@ given with it.
 Into --out it writes legal_moves.png (the legal-move rate, the baseline's and the validation loss
 against the tokens seen), legal_moves.md (the same as tables, with the command, the recipe and the
 times) and legal_moves.json. The wall time counts everything this command does. Measured on 2
-cores from a fresh clone (2026-11-26): 78.5% legal moves on the 1,000 held-out positions in 748 s,
-the trigram table 33.0%; with --optimizer adamw 74.2% in 771 s (the README has the tables).
+cores with AVX-512 hidden, as on an AVX2-only CPU (2026-11-29): 76.8% legal moves on the 1,000
+held-out positions in 557 s, the trigram table 33.0% (benchmark/README.md has the tables).
 """
 import argparse
 import ast
@@ -260,8 +260,8 @@ def parse_arguments(argv=None):
     parser.add("learning_rate", type=float, default=None,
                help="peak learning rate, cosine decay to 10%% (default: each optimizer's best measured, "
                     + ", ".join(f"{name} {rate:g}" for name, rate in LEARNING_RATES.items()) + ")")
-    parser.add("max_steps", type=at_least(1), default=1000)
-    parser.add("eval_every", type=at_least(0), default=250)
+    parser.add("max_steps", type=at_least(1), default=800)
+    parser.add("eval_every", type=at_least(0), default=200)
     parser.add("eval_games", type=at_least(1), default=200, help="held-out positions for the curve (during training)")
     parser.add("seed", type=at_least(0), default=0, help="the model's initialisation, the data order and the positions")
     args = parser.parse_args(argv)

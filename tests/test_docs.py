@@ -348,7 +348,7 @@ FIGURES = {
     "the suite's minutes on 2 cores": Figure(r"about (\d+) minutes on 2 cores", about=r"test\.sh|suite",
                                              limit=("pyproject.toml", r"the suite must stay within (\d+) minutes")),
     "the learning run's legal moves (%)": Figure(r"^\| \*\*all\*\* \| 1,000 \| \*\*([\d.]+)%\*\*"),
-    "the learning run's seconds": Figure(r"1,000 steps (?:of 16 games, 5\.4M tokens, |in )(\d+) s\b"),
+    "the learning run's seconds": Figure(r"800 steps (?:of 16 games, 4\.3M tokens, |in )(\d+) s\b"),
 }
 # $KIT_DIR/.venv (the site file's form) is the same folder as .venv
 FIGURES["the kit's environment (the folder install.sh makes)"] = Figure(r"source \"?(?:\$\w+/)?(\S+?)/bin/activate")

@@ -62,9 +62,9 @@ SKIPPED = {
     r"^python benchmark/run\.py( --quick)?$": "the benchmark: 35 minutes (--quick: minutes, tests/test_benchmark.py)",
     r"^python benchmark/gpu_check\.py$": "the GPU check on the full 7B shape: a GPU node, 8 minutes "
                                          "(tests/test_gpu_check.py runs a shrunk shape)",
-    r"^python benchmark/learn_chess\.py$": "the learning run: 15 minutes (tests/test_learn_chess.py runs --quick)",
+    r"^python benchmark/learn_chess\.py$": "the learning run: 10 minutes (tests/test_learn_chess.py runs --quick)",
     r"^ONEDNN_MAX_CPU_ISA=AVX2 .*python benchmark/learn_chess\.py --out ": "the learning run as on an AVX2-only CPU: "
-                                                                           "15 minutes",
+                                                                           "10 minutes",
     r"^python play\.py --model runs/learn_chess/": "plays the learning run's model (tests/test_play.py plays the demo "
                                                   "model and a sub-word one, also as a UCI engine)",
     r"^tensorboard ": "starts a server that runs until stopped",
