@@ -106,11 +106,11 @@ class Muon(torch.optim.Optimizer):
             if whole and self.replicas is not None:
                 owner_replicated(whole, lambda param: self.momentum_update(param, group),
                                  lambda param, update: apply(param, update, group), self.replicas, group, self.dtype)
-                whole = []
-            for param in whole:
-                device = compute_device(param)
-                update = self.momentum_update(param, group).to(device, self.dtype or newton_schulz_dtype(device))
-                apply(param, newton_schulz(update, group), group)
+            else:
+                for param in whole:
+                    device = compute_device(param)
+                    update = self.momentum_update(param, group).to(device, self.dtype or newton_schulz_dtype(device))
+                    apply(param, newton_schulz(update, group), group)
             for (process_group, dim), matrices in sharded.items():
                 owner_sharded(matrices, lambda param: self.momentum_update(param, group),
                               lambda param, update: apply(param, update, group), process_group, dim, group, self.dtype)
