@@ -200,7 +200,7 @@ def plot(points, baseline, path, title):
     rate_axis.set_xlabel("tokens seen (millions)")
     rate_axis.set_ylabel("legal greedy moves, held-out positions (%)", color="tab:blue")
     rate_axis.set_ylim(0, 100)
-    rate_axis.legend(loc="lower right", fontsize=8)
+    rate_axis.legend(loc="center right", fontsize=8)  # clear of both curves, which end high and low
     loss_axis = rate_axis.twinx()
     loss_axis.plot(tokens, [p[3] for p in points], "s--", color="tab:orange", markersize=3)
     loss_axis.set_ylabel("validation loss", color="tab:orange")
